@@ -1,0 +1,60 @@
+"""Sessions that gate vLLM speculative decoding on CPU. Logic lives in specgate/."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nox
+
+sys.path.insert(0, str(Path(__file__).parent))
+from specgate.noxsupport import lock_constraints, run_module  # noqa: E402
+
+nox.needs_version = ">=2025.2.9"
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def tests(session: nox.Session) -> None:
+    """Run the harness's own fast tests (no vLLM engine starts)."""
+    run_module(session, "specgate.selftest")
+
+
+@nox.session(python=PYTHON, tags=["gate"])
+def warm_cache(session: nox.Session) -> None:
+    """Fill the HF cache with every pinned checkpoint and build the fixtures."""
+    run_module(session, "specgate.warm")
+
+
+@nox.session(python=PYTHON, tags=["gate"])
+def cpu_unit(session: nox.Session) -> None:
+    """Run vLLM's own 14 spec-decode unit files at the installed vLLM version."""
+    run_module(session, "specgate.unit")
+
+
+@nox.session(python=PYTHON, tags=["gate"])
+def cpu_e2e(session: nox.Session) -> None:
+    """Run engine-level spec-decode e2e tests in torch.compile mode."""
+    run_module(session, "specgate.e2e")
+
+
+@nox.session(python=PYTHON, default=False)
+def gate(session: nox.Session) -> None:
+    """Say from past summary.json files whether the CI step may drop soft_fail."""
+    run_module(session, "specgate.gate")
+
+
+@nox.session(python=PYTHON, default=False)
+def bench(session: nox.Session) -> None:
+    """Measure harness overhead, cache no-op, env setup and compile-cache speedups."""
+    run_module(session, "specgate.bench")
+
+
+@nox.session(venv_backend="none", default=False)
+def lock(session: nox.Session) -> None:
+    """Regenerate constraints/*.txt from constraints/*.in with uv pip compile."""
+    lock_constraints(session)

@@ -1,0 +1,54 @@
+"""Artifacts: atomic writes, summary.json, and the human summary at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from specgate.envpin import redact
+from specgate.manifest import REPO_ROOT
+
+
+def artifacts_dir(session: str) -> Path:
+    root = Path(os.environ.get("SPECGATE_ARTIFACTS", REPO_ROOT / "artifacts"))
+    path = root / session
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename: readers see the old
+    file or the new one, never half of one. Secret values are scrubbed on the way."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(redact(text))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_summary(session: str, summary: dict[str, Any]) -> Path:
+    path = artifacts_dir(session) / "summary.json"
+    write_json(path, {"session": session, **summary})
+    return path
+
+
+def format_rows(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain fixed-width table for the terminal."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
