@@ -69,6 +69,11 @@ def effective_env(environ: Mapping[str, str] = os.environ, pinned: Mapping[str, 
     return dict(sorted(masked(shown).items()))
 
 
+def session_report(manifest: Manifest, session: str, environ: Mapping[str, str] = os.environ) -> dict[str, str | None]:
+    """The masked effective environment of a session, for banners and summaries."""
+    return effective_env(environ, session_env(manifest, session))
+
+
 def format_table(env: Mapping[str, str | None], title: str = "effective environment") -> str:
     width = max((len(k) for k in env), default=0)
     rows = [f"{k.ljust(width)}  {'(unset)' if v is None else v}" for k, v in env.items()]

@@ -5,6 +5,7 @@ Stdlib only: the noxfile imports this before any venv exists.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -249,9 +250,11 @@ def _e2e(root: _Reader, checkpoints: dict[str, Checkpoint]) -> tuple[tuple[E2ECo
     return tuple(configs), settings
 
 
-def load(path: Path | str = DEFAULT_MANIFEST) -> Manifest:
-    """Load and validate the manifest; raise ManifestError with one line on any defect."""
-    path = Path(path)
+def load(path: Path | str | None = None) -> Manifest:
+    """Load and validate the manifest; raise ManifestError with one line on any defect.
+
+    SPECGATE_MANIFEST points every session at another manifest (tests use it)."""
+    path = Path(path or os.environ.get("SPECGATE_MANIFEST") or DEFAULT_MANIFEST)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -14,7 +14,7 @@ from pathlib import Path
 import nox
 from nox.command import CommandFailed
 
-from specgate import envpin
+from specgate import envpin, torchprobe
 from specgate.manifest import REPO_ROOT, Manifest, ManifestError, load
 
 # Exit codes that mean something other than "tests failed" and must survive nox,
@@ -54,9 +54,39 @@ def install(session: nox.Session, manifest: Manifest) -> None:
     env = envpin.installer_env()
     session.install("-r", str(constraints), env=env)
     session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
-    # The probe decides about torchvision & co. and records any degradation in the venv.
-    session.run("python", "-m", "specgate.torchprobe", "--fix", env=env)
+    fix_torch_companions(session, env)
     stamp.write_text(json.dumps({"key": key}))
+
+
+def _uninstall(session: nox.Session, packages: list[str]) -> None:
+    if session.venv_backend == "uv":
+        from nox.virtualenv import find_uv
+
+        _, uv, _ = find_uv()
+        session.run(uv, "pip", "uninstall", "--python", _venv_python(session), *packages, external=True)
+    else:
+        session.run("python", "-m", "pip", "uninstall", "-y", *packages)
+
+
+def _venv_python(session: nox.Session) -> str:
+    return str(Path(session.virtualenv.location) / "bin" / "python")
+
+
+def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
+    """Make torchvision & co. importable or absent, never half-working (see specgate.torchprobe)."""
+    location = str(session.virtualenv.location)
+    broken = torchprobe.probe(python=_venv_python(session))
+    cpu_index = os.environ.get(TORCH_CPU_INDEX_VAR)
+    if broken and cpu_index:
+        session.log(f"installing CPU builds of {', '.join(broken)} from ${TORCH_CPU_INDEX_VAR}")
+        session.install("--reinstall", "--no-deps", "--index-url", cpu_index, *broken, env=env)
+        broken = torchprobe.probe(tuple(broken), python=_venv_python(session))
+    entries = torchprobe.degradation(broken)
+    if broken:
+        _uninstall(session, sorted(broken))
+        session.warn(f"removed {', '.join(sorted(broken))}: CUDA builds that do not import beside torch+cpu; "
+                     f"tests that need them are reported as environment-blocked (set ${TORCH_CPU_INDEX_VAR} to fix)")
+    torchprobe.write_record(entries, location)
 
 
 def run_module(session: nox.Session, module: str, *args: str) -> None:
