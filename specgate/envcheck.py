@@ -21,7 +21,10 @@ def pytest_configure(config: pytest.Config) -> None:
     session = os.environ.get("SPECGATE_SESSION")
     if not session or hasattr(config, "workerinput"):
         return
-    manifest = manifest_mod.load()
+    try:
+        manifest = manifest_mod.load()
+    except manifest_mod.ManifestError as exc:
+        raise pytest.UsageError(str(exc)) from None
     overrides = set(filter(None, os.environ.get(OVERRIDES_VAR, "").split(",")))
     problems = [p for p in envpin.mismatches(manifest, session, os.environ) if p.split(":")[0] not in overrides]
     artifacts.write_json(artifacts.artifacts_dir(session) / "pytest-env.json", {

@@ -160,7 +160,7 @@ def _sessions(root: _Reader) -> dict[str, SessionSpec]:
                 raise env_table.fail(var, "a string (quote numbers)", value)
             env[var] = value
         constraints = table.str("constraints")
-        if not (root.path.parent / constraints).is_file():
+        if not (REPO_ROOT / constraints).is_file():
             raise table.fail("constraints", "an existing file", constraints)
         sessions[name] = SessionSpec(name, constraints, env)
     return sessions

@@ -1,0 +1,56 @@
+"""Artifacts are written whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specgate import artifacts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_summary_lands_under_artifacts_session(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
+    path = artifacts.write_summary("cpu_unit", {"exit_code": 0})
+    assert path == tmp_path / "cpu_unit" / "summary.json"
+    assert json.loads(path.read_text()) == {"session": "cpu_unit", "exit_code": 0}
+    assert [p.name for p in path.parent.iterdir()] == ["summary.json"]  # no temp file left
+
+
+def test_a_writer_killed_mid_write_leaves_the_old_file_intact(tmp_path):
+    """A real child process writes a large JSON slowly and is SIGKILLed half-way."""
+    target = tmp_path / "summary.json"
+    artifacts.write_json(target, {"generation": 1})
+    child = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from specgate import artifacts
+class Slow(str):
+    pass
+import specgate.artifacts as a
+real = a.redact
+def slow(text):
+    time.sleep(30)
+    return real(text)
+a.redact = slow
+a.write_json(__import__('pathlib').Path({str(target)!r}), {{"generation": 2, "pad": "x" * 10_000_000}})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child])
+    deadline = time.time() + 20
+    while time.time() < deadline and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "the writer never started"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert json.loads(target.read_text()) == {"generation": 1}
+
+
+def test_format_rows_aligns_columns():
+    text = artifacts.format_rows(["a", "bb"], [[1, None], ["long", 2]])
+    assert text.splitlines() == ["a     bb", "----  --", "1", "long  2"]

@@ -1,0 +1,92 @@
+"""The manifest is the single source of truth; a defect is one line naming file, key and expectation."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specgate import manifest as m
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_real_manifest_loads_and_pins_the_fourteen_unit_files():
+    manifest = m.load()
+    assert len(manifest.unit.files) == 14
+    assert len(set(manifest.unit.files)) == 14
+    assert manifest.unit.step_key == "cpu-spec-decode-tests"
+    assert {"tests", "warm_cache", "cpu_unit", "cpu_e2e"} <= set(manifest.sessions)
+    for checkpoint in manifest.checkpoints.values():
+        assert m.REVISION_RE.match(checkpoint.revision), checkpoint
+        assert checkpoint.fixture in manifest.fixtures
+
+
+def test_session_env_values_live_only_in_the_manifest():
+    """Upstream set VLLM_CPU_KVCACHE_SPACE in two places with two values; here no Python
+    file under specgate/ may carry a pinned value of its own."""
+    manifest = m.load()
+    sources = "\n".join(p.read_text() for p in (REPO / "specgate").glob("*.py"))
+    for name in manifest.managed_env_names():
+        assert not re.search(rf"""["']{name}["']\s*[:=]\s*["']""", sources), f"{name} is assigned outside the manifest"
+
+
+def _base() -> str:
+    return (REPO / "manifest.toml").read_text()
+
+
+BROKEN = [
+    ("schema = 1", "schema = 2", "key 'schema': expected 1"),
+    ('step_key = "cpu-spec-decode-tests"', "step_key = 3", "key 'unit.step_key': expected a string, got 3"),
+    ("timeout_s = 600", "timeout_s = -1", "key 'unit.timeout_s': expected a positive integer, got -1"),
+    ('revision = "c1899de289a04d12100db370d81485cdf75e47ca"', 'revision = "main"',
+     "key 'checkpoints.Qwen/Qwen3-0.6B.revision': expected a 40-hex commit revision, got 'main'"),
+    ('VLLM_CPU_CI_ENV = "1"', "VLLM_CPU_CI_ENV = 1", "key 'sessions.cpu_unit.env.VLLM_CPU_CI_ENV': expected a string"),
+    ('constraints = "constraints/vllm-cpu.txt"', 'constraints = "constraints/nope.txt"',
+     "key 'sessions.tests.constraints': expected an existing file"),
+]
+
+
+@pytest.mark.parametrize("old,new,message", BROKEN, ids=[b[2].split("'")[1] for b in BROKEN])
+def test_malformed_manifest_names_file_key_and_expectation(tmp_path, old, new, message):
+    text = _base()
+    assert old in text, f"test drifted from manifest.toml: {old!r}"
+    path = tmp_path / "manifest.toml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(m.ManifestError) as info:
+        m.load(path)
+    assert str(info.value).startswith("manifest.toml: ")
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_invalid_toml_is_one_line(tmp_path):
+    path = tmp_path / "manifest.toml"
+    path.write_text("schema = = 1\n")
+    with pytest.raises(m.ManifestError, match=r"^manifest.toml: not valid TOML"):
+        m.load(path)
+
+
+def test_unknown_method_is_rejected(tmp_path):
+    path = tmp_path / "manifest.toml"
+    path.write_text(_base() + '\n[[e2e.configs]]\nid = "x"\nmethod = "medusa"\ntarget = "Qwen/Qwen3-0.6B"\n')
+    with pytest.raises(m.ManifestError, match=r"method': expected one of none, ngram, eagle3, dflash, mtp, got 'medusa'"):
+        m.load(path)
+
+
+def test_session_with_malformed_manifest_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "manifest.toml"
+    path.write_text(_base().replace("schema = 1", "schema = 7"))
+    proc = subprocess.run([sys.executable, "-m", "specgate.selftest"], cwd=REPO, capture_output=True, text=True,
+                          env={**_env(), "SPECGATE_MANIFEST": str(path)})
+    assert proc.returncode == 2
+    assert proc.stdout.strip().splitlines() == ["error: manifest.toml: key 'schema': expected 1, got 7"]
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "SPECGATE_SESSION"}
