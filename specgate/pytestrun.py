@@ -52,6 +52,8 @@ def nodeid(case) -> str:
     parts = classname.split(".")
     if file:
         module = file[:-3].replace("/", ".") if file.endswith(".py") else file
+        if not classname and case.name == module:
+            return file  # a collection error: pytest reports it against the file itself
         rest = classname[len(module) + 1:] if classname.startswith(module + ".") else ""
         return "::".join([file, *filter(None, rest.split(".")), case.name])
     return "::".join([*parts, case.name])
