@@ -160,19 +160,19 @@ def tree_from_checkout(checkout: Path) -> Path:
         raise UpstreamError(f"--vllm-source-dir {checkout}: not a vLLM checkout (no {', '.join(missing or KEPT_DIRS)})", 2)
     key = hashlib.sha256(str(checkout).encode()).hexdigest()[:12]
     final = _upstream_dir() / f"checkout-{key}"
-    with FileLock(str(final) + ".lock"):
-        with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".checkout-{key}-") as tmp:
-            staged = Path(tmp) / "tree"
-            staged.mkdir()
-            for name in KEPT_DIRS:
-                shutil.copytree(checkout / name, staged / name, symlinks=True,
-                                ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
-            pyproject = checkout / "pyproject.toml"
-            write_pytest_config(pyproject.read_text(encoding="utf-8") if pyproject.is_file() else "", staged)
-            _write_marker(staged, {"source": "checkout", "path": str(checkout)})
-            if final.exists():
-                os.rename(final, Path(tmp) / "previous")  # removed with the temporary folder
-            os.rename(staged, final)
+    with FileLock(str(final) + ".lock"), \
+            tempfile.TemporaryDirectory(dir=final.parent, prefix=f".checkout-{key}-") as tmp:
+        staged = Path(tmp) / "tree"
+        staged.mkdir()
+        for name in KEPT_DIRS:
+            shutil.copytree(checkout / name, staged / name, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+        pyproject = checkout / "pyproject.toml"
+        write_pytest_config(pyproject.read_text(encoding="utf-8") if pyproject.is_file() else "", staged)
+        _write_marker(staged, {"source": "checkout", "path": str(checkout)})
+        if final.exists():
+            os.rename(final, Path(tmp) / "previous")  # removed with the temporary folder
+        os.rename(staged, final)
     return final
 
 

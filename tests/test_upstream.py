@@ -285,7 +285,7 @@ def test_pytest_in_the_tree_never_sees_the_sdist_vllm(cache, index):
     root = upstream.fetch_tree("9.9.9", index().url)
     files = upstream.pipeline_files(root / PIPELINE, "spec")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
-                          cwd=root, capture_output=True, text=True)
+                          cwd=root, capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
 
 
