@@ -1,0 +1,541 @@
+"""`nox -s bench`: what the harness costs and what its caches save, measured on this machine.
+
+Figures (--only picks some). Sessions run through scripts/noxw.py, the repo's
+pinned nox, from the repo root, the way .ci/run runs them:
+
+  unit_overhead  cpu_unit_overhead_ratio: `nox -R -s cpu_unit` over bare pytest on the
+                 files the session ran, in the same venv with the same environment,
+                 median of --runs each, interleaved A B A B ...
+  warm_noop      warm_cache_noop_s: `nox -s warm_cache` when everything is present
+                 (`nox -R -s warm_cache` interleaved with it, to show the install-stamp check)
+  env_setup      env_setup_uv_s, env_setup_pip_s: a fresh venv with the vLLM CPU constraints,
+                 in a temp folder, each installer with its own cache as found (--skip-pip)
+  e2e_cache      e2e_cold_s, e2e_warm_s, e2e_warm_cold_ratio: fixture-mode cpu_e2e with an
+                 empty compile cache, then again with the cache that run filled
+  engine_start   engine_start_s: median engine start (compile mode, tiny fixture) that
+                 cpu_e2e records in its summary; from the e2e_cache runs, else one run of its own
+
+artifacts/bench/bench.json and bench.md hold the figures, the goals (met / not met /
+not measured), the machine, versions, load, the date and the command; child output
+goes to artifacts/bench/logs/. A figure that cannot be measured says why; no number
+is ever filled in. Exit 0 when every selected figure was measured, 1 when one was
+not, 2 on bad input. Goals are reported, not enforced.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from specgate import artifacts, cli, compilecache, envpin
+from specgate.manifest import REPO_ROOT, Manifest
+
+SESSION = "bench"
+FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start")
+NOXW = REPO_ROOT / "scripts" / "noxw.py"
+MEMINFO = Path("/proc/meminfo")
+E2E_ARGS = ("-s", "cpu_e2e", "--", "--model-source", "fixture")
+
+
+# --------------------------------------------------------------------------- results
+
+@dataclass
+class Figure:
+    """One measured quantity: its value (None when not measured, with the reason) and its samples."""
+    name: str
+    unit: str                      # "s", or "x" for a ratio
+    value: float | None
+    samples: list[float] = field(default_factory=list)
+    reason: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def missing(cls, name: str, unit: str, reason: str, **detail: Any) -> Figure:
+        return cls(name, unit, None, reason=reason, detail=detail)
+
+
+@dataclass(frozen=True)
+class Goal:
+    figure: str
+    limit: float
+    text: str
+
+    def verdict(self, figures: Mapping[str, Figure]) -> dict[str, Any]:
+        entry = {"goal": self.text, "figure": self.figure, "limit": self.limit, "value": None, "reason": None}
+        figure = figures.get(self.figure)
+        if figure is None:
+            return {**entry, "verdict": "not measured", "reason": "not selected (--only)"}
+        if figure.value is None:
+            return {**entry, "verdict": "not measured", "reason": figure.reason}
+        return {**entry, "value": figure.value, "verdict": "met" if figure.value <= self.limit else "not met"}
+
+
+GOALS = (
+    Goal("cpu_unit_overhead_ratio", 1.10, "cpu_unit under nox costs at most 10% more than bare pytest"),
+    Goal("warm_cache_noop_s", 3.0, "warm_cache with everything present takes at most 3 s"),
+    Goal("e2e_warm_cold_ratio", 0.6, "a warm compile cache brings cpu_e2e to at most 60% of cold"),
+    Goal("e2e_cold_s", 360.0, "fixture-mode cpu_e2e takes at most 6 min, even with a cold compile cache"),
+)
+
+
+@dataclass
+class Sample:
+    """One timed child run; `problem` says why it does not count (None: it does)."""
+    seconds: float
+    exit_code: int
+    log: str
+    problem: str | None = None
+
+
+# --------------------------------------------------------------------------- statistics
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no samples")
+    return statistics.median(values)
+
+
+def interleaved(runs: int, steps: Mapping[str, Callable[[int], Sample]]) -> dict[str, list[Sample]]:
+    """Each step `runs` times, alternating (A B A B ...) so drift in the machine's load hits
+    every side alike. Stops at the first sample with a problem; the caller reports it."""
+    samples: dict[str, list[Sample]] = {name: [] for name in steps}
+    for index in range(runs):
+        for name, step in steps.items():
+            sample = step(index)
+            samples[name].append(sample)
+            if sample.problem:
+                return samples
+    return samples
+
+
+def first_problem(*groups: Sequence[Sample]) -> str | None:
+    return next((s.problem for group in groups for s in group if s.problem), None)
+
+
+def timed_figure(name: str, samples: Sequence[Sample], **detail: Any) -> Figure:
+    """The median of the samples in seconds, or why there is none."""
+    seconds = [s.seconds for s in samples]
+    problem = first_problem(samples) or (None if seconds else "no run")
+    if problem:
+        return Figure.missing(name, "s", problem, samples_s=seconds, **detail)
+    return Figure(name, "s", round(median(seconds), 2), seconds, detail=detail)
+
+
+def ratio_figure(name: str, top: Figure, bottom: Figure, **detail: Any) -> Figure:
+    """top / bottom, or why there is none (either side not measured)."""
+    for side in (top, bottom):
+        if side.value is None:
+            return Figure.missing(name, "x", f"{side.name} not measured: {side.reason}", **detail)
+    return Figure(name, "x", round(top.value / bottom.value, 3), detail=detail)
+
+
+# --------------------------------------------------------------------------- machine, versions, load
+
+def machine_info(cpuinfo_path: Path = compilecache.CPUINFO, meminfo_path: Path = MEMINFO) -> dict[str, Any]:
+    cpu = compilecache.cpuinfo(cpuinfo_path)
+    memory_kib = None
+    try:
+        for line in meminfo_path.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_kib = int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu_model": cpu.get("model name") or cpu.get("Model") or None,
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(memory_kib / 2**20, 1) if memory_kib else None,
+        "arch": platform.machine(),
+        "kernel": platform.release(),
+    }
+
+
+def versions(nox_version: str | None, uv: tuple[str, str] | None) -> dict[str, str | None]:
+    def dist(*names: str) -> str | None:
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {"vllm": dist(*compilecache.VLLM_DISTRIBUTIONS), "torch": dist("torch"),
+            "python": platform.python_version(), "nox": nox_version, "uv": uv[1] if uv else None}
+
+
+def find_uv() -> tuple[str, str] | None:
+    """(path, version) of the uv nox would use (which falls back to PATH), or None."""
+    from nox.virtualenv import find_uv as nox_find_uv
+
+    found, path, version = nox_find_uv()
+    return (shutil.which(path) or path, str(version)) if found else None
+
+
+def load_snapshot() -> dict[str, Any]:
+    """The machine's load as a figure starts: others' work on a 2-core host shows up here."""
+    return {"loadavg_1m": round(os.getloadavg()[0], 2), "other_vllm_engines": len(vllm_engine_pids())}
+
+
+def vllm_engine_pids() -> list[int]:
+    """Live vLLM engine-core processes (vLLM titles them VLLM::EngineCore). Between figures
+    none of them is ours."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if b"EngineCore" in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+# --------------------------------------------------------------------------- running children
+
+def shell_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment a user's shell would hand nox: without this bench session's venv."""
+    env = {k: v for k, v in environ.items() if k not in ("VIRTUAL_ENV", "SPECGATE_SESSION")}
+    own_bin = str(Path(sys.prefix) / "bin")
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != own_bin)
+    return env
+
+
+def apply(env: Mapping[str, str], changes: Mapping[str, str | None]) -> dict[str, str]:
+    """env with changes applied (None removes the variable), as nox applies session env."""
+    result = dict(env)
+    for key, value in changes.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = value
+    return result
+
+
+def nox(*args: str) -> list[str]:
+    return [sys.executable, str(NOXW), *args]
+
+
+def nox_version() -> str | None:
+    proc = subprocess.run(nox("--version"), cwd=REPO_ROOT, env=shell_env(), capture_output=True, text=True)
+    text = (proc.stdout + proc.stderr).strip().splitlines()
+    return text[-1].strip() if proc.returncode == 0 and text else None
+
+
+class Runner:
+    """Runs child commands with output in artifacts/bench/logs/ and one line per run on the terminal."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.logs = out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def run(self, label: str, command: Sequence[str], *, env: Mapping[str, str], cwd: Path = REPO_ROOT,
+            ok_codes: Sequence[int] = (0,)) -> Sample:
+        log = self.logs / f"{label}.log"
+        with log.open("w", encoding="utf-8") as sink:
+            sink.write(f"+ (cd {shlex.quote(str(cwd))} && {shlex.join(map(str, command))})\n")
+            sink.flush()
+            started = time.perf_counter()
+            code = subprocess.run([str(c) for c in command], cwd=cwd, env=dict(env), stdout=sink,
+                                  stderr=subprocess.STDOUT).returncode
+            seconds = round(time.perf_counter() - started, 2)
+        shown = str(log.relative_to(self.out.parent))
+        problem = None if code in ok_codes else f"{label} exited {code} (log: artifacts/{shown})"
+        print(f"  {label}: {seconds:.1f} s, exit {code}", flush=True)
+        return Sample(seconds, code, shown, problem)
+
+    def session(self, label: str, session: str, args: Sequence[str], *, env: Mapping[str, str],
+                ok_codes: Sequence[int]) -> tuple[Sample, dict | None]:
+        """A nox session run, and the summary.json that run wrote (a sample without one has a problem)."""
+        started = time.time()
+        sample = self.run(label, nox(*args), env=env, ok_codes=ok_codes)
+        summary = read_fresh_summary(session, started)
+        if summary is None and not sample.problem:
+            sample.problem = f"{label}: the session wrote no summary.json (log: artifacts/{sample.log})"
+        return sample, summary
+
+
+def read_fresh_summary(session: str, since: float) -> dict | None:
+    """The session's summary.json, if written at or after `since` (so it describes that run)."""
+    path = artifacts.artifacts_dir(session) / "summary.json"
+    if path.is_file() and path.stat().st_mtime >= since - 1:
+        return json.loads(path.read_text(encoding="utf-8"))
+    return None
+
+
+# --------------------------------------------------------------------------- the figures
+
+# A session run counts when it ran its tests: passing (0), failing (1) or with an
+# environment gap it names (75). Bad input (2) or a crash does not.
+SESSION_RAN = (0, 1, 75)
+PYTEST_RAN = (0, 1)
+
+
+def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]:
+    name = "cpu_unit_overhead_ratio"
+    prep = runner.run("unit-install", nox("--install-only", "-s", "cpu_unit"), env=shell_env())
+    if prep.problem:
+        return [Figure.missing(name, "x", prep.problem)]
+    plan: dict[str, Any] = {}
+
+    def session_run(index: int) -> Sample:
+        sample, summary = runner.session(f"unit-nox-{index + 1}", "cpu_unit", ["-R", "-s", "cpu_unit"],
+                                         env=shell_env(), ok_codes=SESSION_RAN)
+        if summary is not None and not summary.get("files_run"):
+            sample.problem = f"cpu_unit ran no files ({summary.get('error') or 'see its summary.json'})"
+        elif summary is not None and not plan:
+            plan.update(bare_pytest_plan(manifest, summary, REPO_ROOT / ".nox" / "cpu_unit"))
+        return sample
+
+    def bare_run(index: int) -> Sample:
+        return runner.run(f"unit-pytest-{index + 1}", plan["command"], env=plan["env"], cwd=Path(plan["cwd"]),
+                          ok_codes=PYTEST_RAN)
+
+    samples = interleaved(runs, {"nox": session_run, "pytest": bare_run})
+    detail = {"nox_command": "nox -R -s cpu_unit", "pytest_command": shlex.join(plan.get("command", [])),
+              "pytest_cwd": plan.get("cwd"), "exit_codes": {k: [s.exit_code for s in v] for k, v in samples.items()}}
+    top = timed_figure("cpu_unit_nox_s", samples["nox"])
+    bottom = timed_figure("cpu_unit_pytest_s", samples["pytest"])
+    figure = ratio_figure(name, top, bottom, **detail)
+    figure.samples = [round(a.seconds / b.seconds, 3) for a, b in zip(samples["nox"], samples["pytest"])]
+    return [figure, top, bottom]
+
+
+def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path) -> dict[str, Any]:
+    """What one would run by hand instead of the session: the venv's pytest on the files the
+    session ran, in the upstream tree, with the session's pins and compile cache, the same
+    per-test timeout, and nothing else."""
+    env = apply(shell_env(), {**envpin.session_env(manifest, "cpu_unit"), **compilecache.compile_cache_env()})
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    command = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
+               f"--timeout={manifest.unit.timeout_s}", *summary["files_run"]]
+    return {"command": command, "env": env, "cwd": summary["upstream"]["root"]}
+
+
+def warm_noop(runner: Runner, runs: int) -> list[Figure]:
+    fill = runner.run("warm-fill", nox("-R", "-s", "warm_cache"), env=shell_env())
+    if fill.problem:
+        reason = f"warm_cache could not make everything present first: {fill.problem}"
+        return [Figure.missing("warm_cache_noop_s", "s", reason)]
+    samples = interleaved(runs, {
+        "nox": lambda i: runner.run(f"warm-noop-{i + 1}", nox("-s", "warm_cache"), env=shell_env()),
+        "nox -R": lambda i: runner.run(f"warm-noop-R-{i + 1}", nox("-R", "-s", "warm_cache"), env=shell_env()),
+    })
+    return [timed_figure("warm_cache_noop_s", samples["nox"], command="nox -s warm_cache"),
+            timed_figure("warm_cache_noop_R_s", samples["nox -R"], command="nox -R -s warm_cache")]
+
+
+def env_setup(runner: Runner, manifest: Manifest, skip_pip: bool) -> list[Figure]:
+    constraints = REPO_ROOT / manifest.session(SESSION).constraints
+    base = shell_env()
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="specgate-bench-venv-") as tmp:
+        uv = find_uv()
+        if uv is None:
+            figures.append(Figure.missing("env_setup_uv_s", "s", "uv not found (nox's find_uv: $UV, nox's env, PATH)"))
+        else:
+            venv = Path(tmp) / "uv"
+            env = {**base, **envpin.installer_env(base)}
+            figures.append(timed_steps(runner, "env_setup_uv_s", env, [
+                [uv[0], "venv", "--python", sys.executable, venv],
+                [uv[0], "pip", "install", "--python", venv / "bin" / "python", "-r", constraints],
+            ]))
+        if skip_pip:
+            figures.append(Figure.missing("env_setup_pip_s", "s", "skipped (--skip-pip)", skipped=True))
+        else:
+            venv = Path(tmp) / "pip"
+            figures.append(timed_steps(runner, "env_setup_pip_s", base, [
+                [sys.executable, "-m", "venv", venv],
+                [venv / "bin" / "python", "-m", "pip", "install", "-r", constraints],
+            ]))
+    return figures
+
+
+def timed_steps(runner: Runner, name: str, env: Mapping[str, str], commands: list[list]) -> Figure:
+    samples = []
+    for index, command in enumerate(commands, start=1):
+        samples.append(runner.run(f"{name}-step{index}", command, env=env))
+        if samples[-1].problem:
+            return Figure.missing(name, "s", samples[-1].problem)
+    total = round(sum(s.seconds for s in samples), 2)
+    return Figure(name, "s", total, [s.seconds for s in samples],
+                  detail={"commands": [shlex.join(map(str, c)) for c in commands]})
+
+
+def e2e_cache(runner: Runner) -> tuple[list[Figure], list[dict]]:
+    """Cold then warm fixture-mode cpu_e2e on a compile cache that starts empty.
+    Also returns the runs' summaries (for engine_start)."""
+    prep = runner.run("e2e-install", nox("--install-only", "-s", "cpu_e2e"), env=shell_env())
+    if prep.problem:
+        return [Figure.missing(n, "s", prep.problem) for n in ("e2e_cold_s", "e2e_warm_s")], []
+    summaries, figures = [], []
+    with tempfile.TemporaryDirectory(prefix="specgate-bench-compile-") as tmp:
+        env = {**shell_env(), compilecache.ROOT_VAR: tmp}
+        for label in ("cold", "warm"):
+            sample, summary = runner.session(f"e2e-{label}", "cpu_e2e", ["-R", *E2E_ARGS], env=env, ok_codes=(0, 1))
+            detail = {"command": "nox -R " + shlex.join(E2E_ARGS), "exit_code": sample.exit_code,
+                      "compile_cache": "empty at start" if label == "cold" else "filled by the cold run"}
+            if summary is not None:
+                summaries.append({"run": label, **summary})
+                detail["counts"] = summary.get("counts")
+            figures.append(timed_figure(f"e2e_{label}_s", [sample], **detail))
+    figures.append(ratio_figure("e2e_warm_cold_ratio", figures[1], figures[0]))
+    return figures, summaries
+
+
+def engine_starts(summary: dict) -> list[float]:
+    """The per-engine start times cpu_e2e recorded."""
+    return [float(t) for t in summary.get("engine_start_s", [])]
+
+
+def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
+    name = "engine_start_s"
+    if not summaries:
+        sample, summary = runner.session("e2e-engine-start", "cpu_e2e", ["-R", *E2E_ARGS], env=shell_env(),
+                                         ok_codes=(0, 1))
+        if summary is None:
+            return [Figure.missing(name, "s", sample.problem or "cpu_e2e wrote no summary")]
+        summaries = [{"run": "own", **summary}]
+    chosen = summaries[-1]
+    starts = engine_starts(chosen)
+    if not starts:
+        return [Figure.missing(name, "s", "cpu_e2e's summary.json records no engine start times")]
+    detail = {"from": f"cpu_e2e summary ({chosen['run']} run)",
+              "by_run": {s["run"]: engine_starts(s) for s in summaries}}
+    return [Figure(name, "s", round(median(starts), 2), starts, detail=detail)]
+
+
+# --------------------------------------------------------------------------- report
+
+def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, command: str,
+                 machine: dict, version_info: dict, load: dict[str, dict]) -> dict[str, Any]:
+    by_name = {f.name: f for f in figures}
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "selected": list(selected),
+        "runs": args.runs,
+        "skip_pip": args.skip_pip,
+        "machine": machine,
+        "versions": version_info,
+        "load_at_start": load,
+        "figures": {f.name: {k: v for k, v in asdict(f).items() if k != "name"} for f in figures},
+        "goals": [goal.verdict(by_name) for goal in GOALS],
+    }
+
+
+def _value(entry: dict) -> str:
+    if entry["value"] is None:
+        return "not measured"
+    return f"{entry['value']:.3f}" if entry["unit"] == "x" else f"{entry['value']:.2f} s"
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    m, v = report["machine"], report["versions"]
+    lines = [
+        f"# specgate bench, {report['date']}",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {m['cpu_model']}, {m['usable_cores']}/{m['cores']} cores, {m['memory_gib']} GiB, "
+        f"{m['arch']}, Linux {m['kernel']}  ",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        "",
+        "| figure | value | samples | note |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in report["figures"].items():
+        samples = ", ".join(f"{s:g}" for s in entry["samples"])
+        lines.append(f"| {name} | {_value(entry)} | {samples} | {entry['reason'] or ''} |")
+    lines += ["", "| goal | figure | limit | value | verdict |", "|---|---|---|---|---|"]
+    for goal in report["goals"]:
+        value = "" if goal["value"] is None else f"{goal['value']:g}"
+        verdict = goal["verdict"] + (f" ({goal['reason']})" if goal["reason"] else "")
+        lines.append(f"| {goal['goal']} | {goal['figure']} | {goal['limit']:g} | {value} | {verdict} |")
+    lines += ["", "Load when each figure started (1-min load average; other vLLM engines running):", ""]
+    lines += [f"- {name}: {snap['loadavg_1m']}; {snap['other_vllm_engines']}" for name, snap in report["load_at_start"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: Path) -> str:
+    text = to_markdown(report)
+    artifacts.write_json(out / "bench.json", report)
+    artifacts.write_atomic(out / "bench.md", text)
+    return text
+
+
+# --------------------------------------------------------------------------- the session
+
+def build_parser():
+    p = cli.parser(SESSION, "Measure the harness's overhead, cache no-op, env setup and compile-cache speed-ups.")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per side for the medians (default 3)")
+    p.add_argument("--skip-pip", action="store_true", help="do not time the pip venv (it is recorded as skipped)")
+    p.add_argument("--only", nargs="+", choices=FIGURES, metavar="FIGURE", default=None,
+                   help=f"measure only these: {', '.join(FIGURES)}")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+    p = build_parser()
+    args = cli.parse(p, argv)
+    if args.pytest_args:
+        p.error("bench runs no pytest of its own; nothing goes after '--'")
+    if args.runs < 1:
+        p.error(f"--runs {args.runs}: need at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    manifest = cli.start(SESSION)
+    selected = [f for f in FIGURES if args.only is None or f in args.only]
+    out = artifacts.artifacts_dir(SESSION)
+    runner = Runner(out)
+    uv = find_uv()
+    version_info = versions(nox_version(), uv)
+    load: dict[str, dict] = {}
+    figures: list[Figure] = []
+    e2e_summaries: list[dict] = []
+    for figure in selected:
+        load[figure] = load_snapshot()
+        print(f"== {figure} (load {load[figure]['loadavg_1m']}, "
+              f"{load[figure]['other_vllm_engines']} other vLLM engine(s) running) ==", flush=True)
+        if figure == "unit_overhead":
+            figures += unit_overhead(runner, manifest, args.runs)
+        elif figure == "warm_noop":
+            figures += warm_noop(runner, args.runs)
+        elif figure == "env_setup":
+            figures += env_setup(runner, manifest, args.skip_pip)
+        elif figure == "e2e_cache":
+            found, e2e_summaries = e2e_cache(runner)
+            figures += found
+        elif figure == "engine_start":
+            figures += engine_start(runner, e2e_summaries)
+    command = "nox -s bench" + (" -- " + shlex.join(argv) if argv else "")
+    report = build_report(figures, selected=selected, args=args, command=command, machine=machine_info(),
+                          version_info=version_info, load=load)
+    print(write_report(report, out), flush=True)
+    print(f"bench: {out / 'bench.json'}, {out / 'bench.md'}")
+    unmeasured = [f.name for f in figures if f.value is None and not f.detail.get("skipped")]
+    if unmeasured:
+        print(f"not measured: {', '.join(unmeasured)}")
+    return 1 if unmeasured else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The bench's statistics, verdicts, report writer and readers (no nox run here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from specgate import bench
+from specgate.manifest import load
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def sample(seconds: float, problem: str | None = None) -> bench.Sample:
+    return bench.Sample(seconds, 0 if problem is None else 1, "bench/logs/x.log", problem)
+
+
+# --------------------------------------------------------------------------- statistics
+
+def test_median_of_odd_and_even_counts():
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert bench.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    with pytest.raises(ValueError):
+        bench.median([])
+
+
+def test_interleaved_alternates_the_sides():
+    calls = []
+
+    def step(name):
+        return lambda index: calls.append((name, index)) or sample(1.0)
+
+    samples = bench.interleaved(3, {"A": step("A"), "B": step("B")})
+    assert calls == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2)]
+    assert [len(v) for v in samples.values()] == [3, 3]
+
+
+def test_interleaved_stops_at_the_first_problem():
+    calls = []
+
+    def step(name, bad_at):
+        return lambda i: calls.append((name, i)) or sample(1.0, "broke" if i == bad_at else None)
+
+    samples = bench.interleaved(3, {"A": step("A", 99), "B": step("B", 1)})
+    assert calls == [("A", 0), ("B", 0), ("A", 1), ("B", 1)]
+    assert bench.first_problem(samples["A"], samples["B"]) == "broke"
+
+
+def test_timed_figure_is_the_median_or_says_why_not():
+    figure = bench.timed_figure("x_s", [sample(3.0), sample(10.0), sample(4.0)], command="c")
+    assert (figure.value, figure.samples, figure.reason, figure.detail) == (4.0, [3.0, 10.0, 4.0], None, {"command": "c"})
+    broken = bench.timed_figure("x_s", [sample(3.0), sample(1.0, "x exited 2 (log: artifacts/bench/logs/x.log)")])
+    assert broken.value is None and broken.reason.startswith("x exited 2")
+    assert bench.timed_figure("x_s", []).reason == "no run"
+
+
+def test_ratio_figure_needs_both_sides():
+    top, bottom = bench.Figure("a_s", "s", 12.0), bench.Figure("b_s", "s", 10.0)
+    assert bench.ratio_figure("r", top, bottom).value == 1.2
+    missing = bench.ratio_figure("r", top, bench.Figure.missing("b_s", "s", "b exited 2"))
+    assert missing.value is None and missing.reason == "b_s not measured: b exited 2"
+
+
+# --------------------------------------------------------------------------- goals and report
+
+def test_goal_verdicts():
+    goal = bench.Goal("r", 1.10, "ratio small")
+    assert goal.verdict({"r": bench.Figure("r", "x", 1.10)})["verdict"] == "met"
+    assert goal.verdict({"r": bench.Figure("r", "x", 1.11)})["verdict"] == "not met"
+    missing = goal.verdict({"r": bench.Figure.missing("r", "x", "cpu_unit exited 2")})
+    assert (missing["verdict"], missing["reason"], missing["value"]) == ("not measured", "cpu_unit exited 2", None)
+    assert goal.verdict({})["reason"] == "not selected (--only)"
+
+
+def test_goals_cover_the_four_targets():
+    assert {(g.figure, g.limit) for g in bench.GOALS} == {
+        ("cpu_unit_overhead_ratio", 1.10), ("warm_cache_noop_s", 3.0), ("e2e_warm_cold_ratio", 0.6), ("e2e_cold_s", 360.0)}
+
+
+def _report(figures):
+    args = SimpleNamespace(runs=3, skip_pip=True)
+    machine = bench.machine_info()
+    return bench.build_report(figures, selected=["warm_noop", "e2e_cache"], args=args, command="nox -s bench -- --skip-pip",
+                              machine=machine, version_info={"vllm": "0.32.0", "torch": "2.13.0+cpu", "python": "3.11.7",
+                                                             "nox": "2026.10.20", "uv": "0.13.9"},
+                              load={"warm_noop": {"loadavg_1m": 0.5, "other_vllm_engines": 0}})
+
+
+def test_report_json_and_markdown(tmp_path):
+    figures = [bench.Figure("warm_cache_noop_s", "s", 2.5, [2.4, 2.5, 2.9]),
+               bench.Figure("e2e_warm_cold_ratio", "x", 0.71),
+               bench.Figure.missing("e2e_cold_s", "s", "e2e-cold exited 2 (log: artifacts/bench/logs/e2e-cold.log)"),
+               bench.Figure.missing("env_setup_pip_s", "s", "skipped (--skip-pip)", skipped=True)]
+    text = bench.write_report(_report(figures), tmp_path)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.md").read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md"]
+    assert data["command"] == "nox -s bench -- --skip-pip" and data["skip_pip"] is True and data["runs"] == 3
+    assert data["figures"]["warm_cache_noop_s"] == {"unit": "s", "value": 2.5, "samples": [2.4, 2.5, 2.9],
+                                                    "reason": None, "detail": {}}
+    assert data["figures"]["env_setup_pip_s"]["detail"] == {"skipped": True}
+    verdicts = {g["figure"]: g["verdict"] for g in data["goals"]}
+    assert verdicts == {"warm_cache_noop_s": "met", "e2e_warm_cold_ratio": "not met", "e2e_cold_s": "not measured",
+                        "cpu_unit_overhead_ratio": "not measured"}
+    assert "| warm_cache_noop_s | 2.50 s | 2.4, 2.5, 2.9 |  |" in text
+    assert "| e2e_warm_cold_ratio | 0.710 |" in text
+    assert "| e2e_cold_s | not measured |  | e2e-cold exited 2" in text
+    assert "| env_setup_pip_s | not measured |  | skipped (--skip-pip) |" in text
+    assert "not met" in text and "not measured (not selected (--only))" in text
+    assert "Command: `nox -s bench -- --skip-pip`" in text and "vllm 0.32.0" in text
+
+
+def test_report_scrubs_secrets(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secretvalue123")
+    figures = [bench.Figure.missing("e2e_cold_s", "s", "failed with token hf_secretvalue123")]
+    bench.write_report(_report(figures), tmp_path)
+    for name in ("bench.json", "bench.md"):
+        assert "hf_secretvalue123" not in (tmp_path / name).read_text()
+
+
+# --------------------------------------------------------------------------- readers
+
+def test_machine_info_reads_cpuinfo_and_meminfo(tmp_path):
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Test Xeon 9000\nflags\t: fpu\n\n"
+                                      "processor\t: 1\nmodel name\t: Test Xeon 9000\n")
+    (tmp_path / "meminfo").write_text("MemTotal:       24576000 kB\nMemFree:         1000 kB\n")
+    info = bench.machine_info(tmp_path / "cpuinfo", tmp_path / "meminfo")
+    assert info["cpu_model"] == "Test Xeon 9000"
+    assert info["memory_gib"] == round(24576000 / 2**20, 1)
+    assert info["cores"] == os.cpu_count() and 1 <= info["usable_cores"] <= info["cores"]
+    empty = bench.machine_info(tmp_path / "missing", tmp_path / "missing")
+    assert empty["cpu_model"] is None and empty["memory_gib"] is None
+
+
+def test_machine_info_on_this_host():
+    info = bench.machine_info()
+    assert info["cpu_model"] and info["memory_gib"] > 0
+
+
+def test_versions_name_the_installed_packages():
+    info = bench.versions("2026.10.20", ("/usr/bin/uv", "0.13.9"))
+    assert info["torch"] and info["vllm"] and info["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert (info["nox"], info["uv"]) == ("2026.10.20", "0.13.9")
+    assert bench.versions(None, None)["uv"] is None
+
+
+def test_engine_processes_are_found_by_title():
+    child = subprocess.Popen([sys.executable, "-c", "print(flush=True); import time; time.sleep(60)", "VLLM::EngineCore"],
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # it runs, so its command line is the new one
+        assert child.pid in bench.vllm_engine_pids()
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in bench.vllm_engine_pids()
+
+
+def test_read_fresh_summary_ignores_an_older_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
+    path = tmp_path / "cpu_e2e" / "summary.json"
+    path.parent.mkdir()
+    path.write_text('{"exit_code": 0}')
+    os.utime(path, (1000, 1000))
+    assert bench.read_fresh_summary("cpu_e2e", since=5000) is None
+    os.utime(path, None)
+    assert bench.read_fresh_summary("cpu_e2e", since=os.path.getmtime(path)) == {"exit_code": 0}
+
+
+# --------------------------------------------------------------------------- running children
+
+def test_runner_logs_output_and_flags_unexpected_codes(tmp_path):
+    runner = bench.Runner(tmp_path / "bench")
+    ok = runner.run("ok", [sys.executable, "-c", "print('hello')"], env=dict(os.environ))
+    assert (ok.exit_code, ok.problem, ok.log) == (0, None, "bench/logs/ok.log")
+    assert "hello" in (tmp_path / "bench" / "logs" / "ok.log").read_text()
+    bad = runner.run("bad", [sys.executable, "-c", "raise SystemExit(3)"], env=dict(os.environ), ok_codes=(0, 1))
+    assert bad.exit_code == 3 and bad.problem == "bad exited 3 (log: artifacts/bench/logs/bad.log)"
+
+
+def test_shell_env_drops_this_venv():
+    own_bin = str(Path(sys.prefix) / "bin")
+    env = bench.shell_env({"PATH": os.pathsep.join([own_bin, "/usr/bin"]), "VIRTUAL_ENV": sys.prefix,
+                           "SPECGATE_SESSION": "bench", "PIP_FIND_LINKS": "/opt/wheels"})
+    assert env == {"PATH": "/usr/bin", "PIP_FIND_LINKS": "/opt/wheels"}
+
+
+def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGATE_COMPILE_CACHE_DIR", str(tmp_path / "compile"))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "64")  # a hostile shell value the pins override
+    manifest = load()
+    summary = {"files_run": ["tests/v1/spec_decode/test_ngram.py"], "upstream": {"root": "/cache/upstream/vllm-0.32.0"}}
+    plan = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv")
+    assert plan["cwd"] == "/cache/upstream/vllm-0.32.0"
+    assert plan["command"][:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "pytest"]
+    assert plan["command"][-1] == "tests/v1/spec_decode/test_ngram.py"
+    assert f"--timeout={manifest.unit.timeout_s}" in plan["command"]
+    env = plan["env"]
+    for name, value in manifest.session("cpu_unit").env.items():
+        assert env[name] == value
+    assert env["VIRTUAL_ENV"] == str(tmp_path / "venv") and env["PATH"].startswith(str(tmp_path / "venv" / "bin"))
+    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path / "compile"))
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--runs", "0"], ["--only", "nothing"], ["--", "-k", "x"]])
+def test_bad_options_exit_2_with_one_line(argv):
+    proc = subprocess.run([sys.executable, "-m", "specgate.bench", *argv], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("nox -s bench --: error:")
+    assert proc.stdout == ""
