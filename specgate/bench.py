@@ -207,8 +207,9 @@ def vllm_engine_pids() -> list[int]:
 # --------------------------------------------------------------------------- running children
 
 def shell_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The environment a user's shell would hand nox: without this bench session's venv."""
-    env = {k: v for k, v in environ.items() if k not in ("VIRTUAL_ENV", "SPECGATE_SESSION")}
+    """The environment a user's shell would hand nox: without what nox set for this bench
+    session (its venv on PATH, VIRTUAL_ENV / UV_PYTHON / UV_PROJECT_ENVIRONMENT naming it)."""
+    env = {k: v for k, v in environ.items() if k != "SPECGATE_SESSION" and v != sys.prefix}
     own_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p and p != own_bin)
     return env
@@ -374,7 +375,8 @@ def timed_steps(runner: Runner, name: str, env: Mapping[str, str], commands: lis
             return Figure.missing(name, "s", samples[-1].problem)
     total = round(sum(s.seconds for s in samples), 2)
     return Figure(name, "s", total, [s.seconds for s in samples],
-                  detail={"commands": [shlex.join(map(str, c)) for c in commands]})
+                  detail={"commands": [shlex.join(map(str, c)) for c in commands],
+                          "cache": "the installer's own cache as found on this machine"})
 
 
 def e2e_cache(runner: Runner) -> tuple[list[Figure], list[dict]]:

@@ -187,6 +187,7 @@ def test_runner_logs_output_and_flags_unexpected_codes(tmp_path):
 def test_shell_env_drops_this_venv():
     own_bin = str(Path(sys.prefix) / "bin")
     env = bench.shell_env({"PATH": os.pathsep.join([own_bin, "/usr/bin"]), "VIRTUAL_ENV": sys.prefix,
+                           "UV_PYTHON": sys.prefix, "UV_PROJECT_ENVIRONMENT": sys.prefix,
                            "SPECGATE_SESSION": "bench", "PIP_FIND_LINKS": "/opt/wheels"})
     assert env == {"PATH": "/usr/bin", "PIP_FIND_LINKS": "/opt/wheels"}
 
