@@ -401,8 +401,8 @@ def e2e_cache(runner: Runner) -> tuple[list[Figure], list[dict]]:
 
 
 def engine_starts(summary: dict) -> list[float]:
-    """The per-engine start times cpu_e2e recorded."""
-    return [float(t) for t in summary.get("engine_start_s", [])]
+    """The start time (LLM(...) until ready) of each engine cpu_e2e recorded."""
+    return [float(e["init_s"]) for e in summary.get("engines") or [] if e.get("init_s") is not None]
 
 
 def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
@@ -417,8 +417,10 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
     starts = engine_starts(chosen)
     if not starts:
         return [Figure.missing(name, "s", "cpu_e2e's summary.json records no engine start times")]
-    detail = {"from": f"cpu_e2e summary ({chosen['run']} run)",
-              "by_run": {s["run"]: engine_starts(s) for s in summaries}}
+    detail = {"from": f"cpu_e2e summary.json, engines[].init_s ({chosen['run']} run)",
+              "by_run": {s["run"]: engine_starts(s) for s in summaries},
+              "compile": sorted({f"{c['mode']}/{c['backend']}" for e in chosen.get("engines") or []
+                                 if (c := e.get("compilation"))})}
     return [Figure(name, "s", round(median(starts), 2), starts, detail=detail)]
 
 

@@ -216,3 +216,18 @@ def test_bad_options_exit_2_with_one_line(argv):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("nox -s bench --: error:")
     assert proc.stdout == ""
+
+
+def test_engine_starts_come_from_the_e2e_summary():
+    summary = {"engines": [{"key": "a", "init_s": 31.5, "compilation": {"mode": "VLLM_COMPILE", "backend": "inductor"}},
+                           {"key": "b", "init_s": None, "error": "RuntimeError: boom"},
+                           {"key": "c", "init_s": 22.0}]}
+    assert bench.engine_starts(summary) == [31.5, 22.0]
+    assert bench.engine_starts({"engines": []}) == [] and bench.engine_starts({}) == []
+    runner = None  # summaries given: no session run is needed
+    [figure] = bench.engine_start(runner, [{"run": "cold", "engines": []}, {"run": "warm", **summary}])
+    assert (figure.value, figure.samples) == (26.75, [31.5, 22.0])
+    assert figure.detail["by_run"] == {"cold": [], "warm": [31.5, 22.0]}
+    assert figure.detail["compile"] == ["VLLM_COMPILE/inductor"]
+    [empty] = bench.engine_start(runner, [{"run": "warm", "engines": []}])
+    assert empty.value is None and "no engine start times" in empty.reason
