@@ -76,8 +76,8 @@ class Throttle:
 
 @dataclass
 class Stats:
-    requests: Counter = field(default_factory=Counter)    # (method, kind, filename) -> n
-    bytes_sent: Counter = field(default_factory=Counter)  # filename -> bytes written
+    requests: Counter = field(default_factory=Counter)    # (method, kind, repo_id, filename) -> n
+    bytes_sent: Counter = field(default_factory=Counter)  # (repo_id, filename) -> bytes written
 
 
 class HubServer:
@@ -110,23 +110,25 @@ class HubServer:
         with self.lock:
             self.faults.append(Fault(status, kind, filename, times))
 
-    def count(self, method: str | None = None, kind: str | None = None, filename: str | None = None) -> int:
+    def count(self, method: str | None = None, kind: str | None = None, filename: str | None = None,
+              repo_id: str | None = None) -> int:
+        """Requests seen so far; each given argument narrows the count."""
+        wanted = (method, kind, repo_id, filename)
         with self.lock:
-            return sum(n for (m, k, f), n in self.stats.requests.items()
-                       if (method is None or m == method) and (kind is None or k == kind)
-                       and (filename is None or f == filename))
+            return sum(n for key, n in self.stats.requests.items()
+                       if all(w is None or w == k for w, k in zip(wanted, key)))
 
     def total_requests(self) -> int:
         return self.count()
 
-    def bytes_sent(self, filename: str) -> int:
+    def bytes_sent(self, repo_id: str, filename: str) -> int:
         with self.lock:
-            return self.stats.bytes_sent[filename]
+            return self.stats.bytes_sent[(repo_id, filename)]
 
-    def _record(self, method: str, kind: str, filename: str | None) -> int | None:
+    def _record(self, method: str, kind: str, repo: Repo | None, filename: str | None) -> int | None:
         """Count the request; return the status of a matching injected fault, if any."""
         with self.lock:
-            self.stats.requests[(method, kind, filename)] += 1
+            self.stats.requests[(method, kind, repo.repo_id if repo else None, filename)] += 1
             for fault in self.faults:
                 if fault.remaining > 0 and fault.kind in (None, kind) and fault.filename in (None, filename):
                     fault.remaining -= 1
@@ -165,7 +167,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         def _api(self, method: str, rest: str) -> None:
             repo, tail = self._repo(rest)
             kind = "tree" if tail.startswith("tree/") else "info"
-            status = hub._record(method, kind, None)
+            status = hub._record(method, kind, repo, None)
             if repo is None:
                 return self._send(401, b"", {"X-Error-Code": "RepoNotFound"})
             if status is not None:
@@ -184,7 +186,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             repo, tail = self._repo(rest)
             _, revision, filename = (tail.split("/", 2) + ["", ""])[:3]
             kind = "head" if method == "HEAD" else "get"
-            status = hub._record(method, kind, filename)
+            status = hub._record(method, kind, repo, filename)
             if repo is None:
                 return self._send(401, b"", {"X-Error-Code": "RepoNotFound"})
             if status is not None:
@@ -198,7 +200,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                        "Content-Type": "application/octet-stream"}
             if method == "HEAD":
                 return self._send(200, b"", headers, length=len(data))
-            self._send(200, data, headers, filename=filename)
+            self._send(200, data, headers, counted=(repo.repo_id, filename))
 
         def _error(self, status: int, repo: Repo) -> None:
             headers = {"Retry-After": "0"} if status in (429, 503) else {}
@@ -209,7 +211,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             self._send(status, b"", headers)
 
         def _send(self, status: int, body: bytes, headers: dict[str, str], *,
-                  length: int | None = None, filename: str | None = None) -> None:
+                  length: int | None = None, counted: tuple[str, str] | None = None) -> None:
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)
@@ -217,14 +219,14 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if not body:
                 return
-            step = hub.throttle.chunk if filename else len(body)
+            step = hub.throttle.chunk if counted else len(body)
             try:
                 for start in range(0, len(body), step):
                     self.wfile.write(body[start:start + step])
                     self.wfile.flush()
-                    if filename:
+                    if counted:
                         with hub.lock:
-                            hub.stats.bytes_sent[filename] += len(body[start:start + step])
+                            hub.stats.bytes_sent[counted] += len(body[start:start + step])
                         if hub.throttle.delay_s:
                             time.sleep(hub.throttle.delay_s)
             except (BrokenPipeError, ConnectionResetError):

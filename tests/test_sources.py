@@ -22,15 +22,10 @@ FILES = {"config.json": b'{"model_type": "qwen3"}', "tokenizer/vocab.json": b'{"
          "model.safetensors": os.urandom(200_000)}
 
 
-@pytest.fixture(scope="module")
-def fixture_cache(tmp_path_factory):
-    """One harness cache per module, so each fixture checkpoint is built once."""
-    return tmp_path_factory.mktemp("specgate-cache")
-
-
 @pytest.fixture
-def env(tmp_path, fixture_cache, monkeypatch):
-    monkeypatch.setenv("SPECGATE_CACHE_DIR", str(fixture_cache))
+def env(tmp_path):
+    """A fresh folder for HF homes and the manifest. Fixtures come from the harness cache
+    as usual (content-addressed, built once under a lock)."""
     return tmp_path
 
 

@@ -1,0 +1,257 @@
+"""nox -s warm_cache: make every checkpoint the selected suites need present.
+
+For each checkpoint (at its pinned revision, as a full snapshot) the HF cache is
+checked first, with no network. What is missing is fetched online in a child
+process (this session pins HF_HUB_OFFLINE=1 and huggingface_hub reads it at
+import), one checkpoint at a time under a file lock so concurrent runs download
+each file once. Only transient errors are retried. The fixture checkpoints are
+built in the same phase so offline suites have them.
+
+Exit 0 when every needed checkpoint is present in the chosen mode (auto: hub or
+fixture), 75 when something required is missing and unreachable, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from filelock import FileLock, Timeout
+
+from specgate import artifacts, cli, envpin, sources
+from specgate.manifest import REPO_ROOT, Checkpoint, Manifest
+
+SESSION = "warm_cache"
+EXIT_OK, EXIT_BAD_INPUT, EXIT_MISSING = 0, 2, 75
+ATTEMPTS = 3                 # online attempts per checkpoint, transient errors only
+BACKOFF_S = 2.0              # then 2x per further attempt
+PROBE_TIMEOUT_S = 5.0
+# Bounded waits for the online child unless the user set their own.
+CHILD_TIMEOUTS = {"HF_HUB_ETAG_TIMEOUT": "10", "HF_HUB_DOWNLOAD_TIMEOUT": "30"}
+DEFAULT_ENDPOINT = "https://huggingface.co"
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Row:
+    source: sources.Source
+    size: int
+    seconds: float
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser(SESSION, "Fill the HF cache with every pinned checkpoint and build the fixtures.",
+                   model_source=True)
+    p.add_argument("--suites", nargs="+", metavar="SUITE", default=None,
+                   help="only the checkpoints these suites need (default: all)")
+    args = cli.parse(p, argv)
+    if args.pytest_args:
+        p.error("warm_cache runs no pytest; nothing goes after '--'")
+    return run(cli.start(SESSION), args.suites, args.model_source)
+
+
+def known_suites(manifest: Manifest) -> set[str]:
+    return set(manifest.sessions) | {s for c in manifest.checkpoints.values() for s in c.suites}
+
+
+def run(manifest: Manifest, suites: list[str] | None, mode: str, *,
+        cache_dir: Path | str | None = None, backoff_s: float = BACKOFF_S) -> int:
+    unknown = sorted(set(suites or ()) - known_suites(manifest))
+    if unknown:
+        print(f"error: unknown suite {', '.join(unknown)} (known: {', '.join(sorted(known_suites(manifest)))})",
+              flush=True)
+        return EXIT_BAD_INPUT
+    from specgate import fixtures
+
+    fixture_paths = fixtures.ensure_all(manifest)
+    hub = Hub(sources.hub_cache(cache_dir), backoff_s)
+    rows = [warm_one(manifest, ckpt, mode, hub) for ckpt in manifest.checkpoints_for(suites)]
+    code = EXIT_MISSING if any(r.source.status == "missing" for r in rows) else EXIT_OK
+    report(manifest, mode, suites, rows, fixture_paths, code)
+    return code
+
+
+def warm_one(manifest: Manifest, ckpt: Checkpoint, mode: str, hub: Hub) -> Row:
+    started = time.monotonic()
+    if mode == "fixture":
+        source = sources.resolve(manifest, ckpt.repo_id, "fixture")
+    else:
+        snap = sources.snapshot(ckpt.repo_id, ckpt.revision, hub.cache)
+        source, size = (sources.hub_source(ckpt, snap), snap.size) if snap.path else hub.fetch(ckpt)
+        if source.status == "missing" and mode == "auto":
+            source = sources.fixture_source(manifest, ckpt, f"{source.reason}; using fixture {ckpt.fixture}")
+    if source.source == "fixture":
+        size = _tree_size(Path(source.path))
+    return Row(source, size, round(time.monotonic() - started, 2))
+
+
+class Hub:
+    """Online access to the hub for one run: a reachability probe done at most once,
+    and downloads in a child process under a per-checkpoint file lock."""
+
+    def __init__(self, cache: Path, backoff_s: float) -> None:
+        self.cache, self.backoff_s = cache, backoff_s
+        self._probed, self._unreachable = False, None
+
+    def fetch(self, ckpt: Checkpoint) -> tuple[sources.Source, int]:
+        """The checkpoint's source after an online attempt, and its listed size."""
+        lock = FileLock(self.cache / ".locks" / "specgate" / f"{sources.repo_folder(ckpt.repo_id, self.cache).name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"{ckpt.repo_id}: another warm_cache is fetching it; waiting", flush=True)
+            lock.acquire()
+        try:
+            snap = sources.snapshot(ckpt.repo_id, ckpt.revision, self.cache)
+            if snap.path is not None:  # completed by the run we waited for
+                return sources.hub_source(ckpt, snap), snap.size
+            reason = _needs_token(ckpt) or self.unreachable() or self._download(ckpt)
+            if not reason:
+                snap = sources.snapshot(ckpt.repo_id, ckpt.revision, self.cache)
+                reason = snap.reason and f"download finished but the snapshot is incomplete: {snap.reason}"
+            return sources.hub_source(ckpt, replace(snap, reason=reason), status="downloaded"), snap.size
+        finally:
+            lock.release()
+
+    def unreachable(self) -> str | None:
+        """Why the hub cannot be reached (None if it can), probed once per run so an
+        unreachable hub costs seconds, not huggingface_hub's per-request retries."""
+        if not self._probed:
+            self._probed = True
+            self._unreachable = probe(os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT), self.backoff_s)
+        return self._unreachable
+
+    def _download(self, ckpt: Checkpoint) -> str:
+        """Fetch the snapshot; return "" on success or why it failed."""
+        attempt = 0
+        while True:
+            attempt += 1
+            print(f"{ckpt.repo_id}@{ckpt.revision[:12]}: downloading (attempt {attempt}/{ATTEMPTS})", flush=True)
+            code, error = fetch_in_child(ckpt.repo_id, ckpt.revision, self.cache)
+            if code == 0:
+                return ""
+            from specgate import classify
+
+            label, why = classify.explain(error)
+            reason = f"{label}: {why}"
+            if label == "auth":
+                return f"{reason}; {_licence_hint(ckpt)}"
+            if label != "transient" or attempt == ATTEMPTS:
+                return reason + (f" (after {attempt} attempts)" if attempt > 1 else "")
+            wait = self.backoff_s * 2 ** (attempt - 1)
+            print(f"{ckpt.repo_id}: {reason}; retrying in {wait:g}s", flush=True)
+            time.sleep(wait)
+
+
+def _needs_token(ckpt: Checkpoint) -> str | None:
+    """A gated checkpoint with no token anywhere huggingface_hub looks: no point asking."""
+    from huggingface_hub import get_token
+
+    if ckpt.gated and not get_token():
+        return f"auth: {ckpt.repo_id} is gated and no HF token is set; {_licence_hint(ckpt)}"
+    return None
+
+
+def _licence_hint(ckpt: Checkpoint) -> str:
+    return f"set HF_TOKEN and accept the licence at https://huggingface.co/{ckpt.repo_id}"
+
+
+def probe(endpoint: str, backoff_s: float) -> str | None:
+    """Open (and close) one TCP connection to the hub endpoint, retrying a bounded
+    number of times. Skipped behind a proxy, where only the download can tell."""
+    if any(os.environ.get(v) for v in PROXY_VARS):
+        return None
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    error: OSError | None = None
+    for attempt in range(ATTEMPTS):
+        try:
+            socket.create_connection((url.hostname, port), timeout=PROBE_TIMEOUT_S).close()
+            return None
+        except OSError as exc:
+            error = exc
+            if attempt + 1 < ATTEMPTS:
+                time.sleep(backoff_s * 2 ** attempt / 4)
+    return f"hub unreachable: {endpoint} ({error.__class__.__name__}: {error}) after {ATTEMPTS} attempts"
+
+
+def fetch_in_child(repo_id: str, revision: str, cache: Path) -> tuple[int, str]:
+    """Run snapshot_download online in a child; progress goes to our stderr.
+    Returns (exit code, error text)."""
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "0"  # the one deliberate online step; the session itself stays offline
+    for name, value in CHILD_TIMEOUTS.items():
+        env.setdefault(name, value)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from specgate.warm import child_main; child_main()", repo_id, revision, str(cache)],
+        env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, errors="replace",
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
+    return proc.returncode, proc.stdout.strip() or f"the fetch process exited with code {proc.returncode}"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the parent dies, so a killed
+    warm_cache leaves no download running on its own."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def child_main() -> None:
+    repo_id, revision, cache = sys.argv[1:4]
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, revision=revision, cache_dir=cache)
+    except Exception as exc:  # the text is classified by the parent
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(1) from None
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def human_size(n: int) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def report(manifest: Manifest, mode: str, suites: list[str] | None, rows: list[Row],
+           fixture_paths: dict[str, Path], code: int) -> None:
+    table = artifacts.format_rows(
+        ["checkpoint", "revision", "size", "status", "seconds"],
+        [[r.source.repo_id, r.source.revision[:12], human_size(r.size) if r.size else "",
+          r.source.status, f"{r.seconds:.2f}"] for r in rows])
+    print(f"== {SESSION}: model source {mode} ==\n{table}", flush=True)
+    for r in rows:
+        if r.source.reason and mode != "fixture":
+            print(envpin.redact(f"{r.source.status}: {r.source.repo_id}: {r.source.reason}"), flush=True)
+    path = artifacts.write_summary(SESSION, {
+        "model_mode": mode,
+        "suites": suites or sorted(known_suites(manifest)),
+        "checkpoints": [{**asdict(r.source), "size_bytes": r.size, "seconds": r.seconds} for r in rows],
+        "fixtures": {name: str(path) for name, path in fixture_paths.items()},
+        "env": envpin.session_report(manifest, SESSION),
+        "exit_code": code,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    })
+    print(f"summary: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
