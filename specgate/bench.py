@@ -186,18 +186,19 @@ def find_uv() -> tuple[str, str] | None:
 
 
 def load_snapshot() -> dict[str, Any]:
-    """The machine's load as a figure starts: others' work on a 2-core host shows up here."""
-    return {"loadavg_1m": round(os.getloadavg()[0], 2), "other_vllm_engines": len(vllm_engine_pids())}
+    """How busy the machine is: others' work on a 2-core host shows up here. Taken between
+    figures, when no child of the bench is alive, so every torch process counted is someone else's."""
+    return {"loadavg_1m": round(os.getloadavg()[0], 2), "other_torch_processes": len(torch_pids())}
 
 
-def vllm_engine_pids() -> list[int]:
-    """Live vLLM engine-core processes (vLLM titles them VLLM::EngineCore). Between figures
-    none of them is ours."""
+def torch_pids(proc_root: Path = Path("/proc")) -> list[int]:
+    """Live processes with torch's CPU library loaded: vLLM engines, test runs, compiles
+    (an in-process engine has no process title of its own, so this looks at what is mapped)."""
     pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
+    for proc in proc_root.iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
-                if b"EngineCore" in (proc / "cmdline").read_bytes():
+                if b"libtorch_cpu" in (proc / "maps").read_bytes():
                     pids.append(int(proc.name))
             except OSError:
                 continue
@@ -427,7 +428,7 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
 # --------------------------------------------------------------------------- report
 
 def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, command: str,
-                 machine: dict, version_info: dict, load: dict[str, dict]) -> dict[str, Any]:
+                 machine: dict, version_info: dict, load: dict[str, dict[str, dict]]) -> dict[str, Any]:
     by_name = {f.name: f for f in figures}
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -437,7 +438,7 @@ def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, c
         "skip_pip": args.skip_pip,
         "machine": machine,
         "versions": version_info,
-        "load_at_start": load,
+        "load": load,
         "figures": {f.name: {k: v for k, v in asdict(f).items() if k != "name"} for f in figures},
         "goals": [goal.verdict(by_name) for goal in GOALS],
     }
@@ -470,8 +471,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         value = "" if goal["value"] is None else f"{goal['value']:g}"
         verdict = goal["verdict"] + (f" ({goal['reason']})" if goal["reason"] else "")
         lines.append(f"| {goal['goal']} | {goal['figure']} | {goal['limit']:g} | {value} | {verdict} |")
-    lines += ["", "Load when each figure started (1-min load average; other vLLM engines running):", ""]
-    lines += [f"- {name}: {snap['loadavg_1m']}; {snap['other_vllm_engines']}" for name, snap in report["load_at_start"].items()]
+    lines += ["", "Contention (1-min load average; other processes with torch loaded), at the start and end of each figure:", ""]
+    lines += [f"- {name}: " + "; ".join(f"{when} {snap['loadavg_1m']}, {snap['other_torch_processes']}"
+                                        for when, snap in snaps.items())
+              for name, snaps in report["load"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -512,13 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner = Runner(out)
     uv = find_uv()
     version_info = versions(nox_version(), uv)
-    load: dict[str, dict] = {}
+    load: dict[str, dict[str, dict]] = {}
     figures: list[Figure] = []
     e2e_summaries: list[dict] = []
     for figure in selected:
-        load[figure] = load_snapshot()
-        print(f"== {figure} (load {load[figure]['loadavg_1m']}, "
-              f"{load[figure]['other_vllm_engines']} other vLLM engine(s) running) ==", flush=True)
+        load[figure] = {"start": load_snapshot()}
+        print(f"== {figure} (load {load[figure]['start']['loadavg_1m']}, "
+              f"{load[figure]['start']['other_torch_processes']} other torch process(es)) ==", flush=True)
         if figure == "unit_overhead":
             figures += unit_overhead(runner, manifest, args.runs)
         elif figure == "warm_noop":
@@ -530,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures += found
         elif figure == "engine_start":
             figures += engine_start(runner, e2e_summaries)
+        load[figure]["end"] = load_snapshot()
     command = "nox -s bench" + (" -- " + shlex.join(argv) if argv else "")
     report = build_report(figures, selected=selected, args=args, command=command, machine=machine_info(),
                           version_info=version_info, load=load)
