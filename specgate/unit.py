@@ -327,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["upstream"] = upstream.describe(root)
         print(f"vLLM {version}: upstream tests at {root}")
         files, summary["files_source"], summary["drift"], summary["notes"] = select_files(root, manifest, args.pinned_files)
-    except upstream.UpstreamError as exc:
-        print(f"error: {exc}", flush=True)
+    except upstream.UpstreamError as exc:  # the summary's report prints the one line
         return finish(manifest, summary, [], [], [], exc.exit_code, error=str(exc))
     summary["files"] = files
     files = summary["files_run"] = cli.shard(files, args.num_shards, args.shard_id)

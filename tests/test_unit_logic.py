@@ -305,3 +305,46 @@ def test_session_end_to_end_over_a_crafted_checkout(tmp_path):
     assert online_requests > 0
     assert [(r["group"], r["attempt"]) for r in summary["runs"]] == [("main", 1), ("redirect-1", 1), ("main", 2)]
     assert "drift vs manifest unit.files:" in proc.stdout and "rerunning 1 cache-miss test(s) online" in proc.stdout
+
+
+def _session(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    env = hf_env("http://127.0.0.1:9", tmp_path / "hf", SPECGATE_ARTIFACTS=str(tmp_path / "artifacts"),
+                 SPECGATE_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("SPECGATE_SESSION", None)
+    proc = subprocess.run([sys.executable, "-m", "specgate.unit", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, check=False)
+    summary = tmp_path / "artifacts" / "cpu_unit" / "summary.json"
+    return proc, json.loads(summary.read_text()) if summary.is_file() else None
+
+
+def _crafted_checkout(tmp_path: Path, pipeline: str) -> Path:
+    checkout = tmp_path / "vllm"
+    for name, text in {**CHECKOUT, ".buildkite/hardware_tests/cpu.yaml": pipeline}.items():
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text(textwrap.dedent(text))
+    return checkout
+
+
+def test_bad_source_dir_is_one_line_and_exit_2(tmp_path):
+    proc, summary = _session(tmp_path, "--vllm-source-dir", str(tmp_path / "nowhere"))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not a vLLM checkout" in errors[0]
+    assert summary["exit_code"] == 2 and summary["tests"] == []
+
+
+def test_missing_upstream_step_is_exit_1_unless_the_pinned_list_is_asked_for(tmp_path):
+    checkout = _crafted_checkout(tmp_path, "steps:\n- key: cpu-kernel-tests\n  commands: ['pytest tests/k.py']\n")
+    proc, summary = _session(tmp_path, "--vllm-source-dir", str(checkout))
+    assert proc.returncode == 1 and "no step with key 'cpu-spec-decode-tests'" in summary["error"]
+    assert "--pinned-files" in summary["error"] and summary["files"] == []
+    # the pinned list is taken when asked for; here its files are absent from the crafted tree
+    proc, summary = _session(tmp_path, "--vllm-source-dir", str(checkout), "--pinned-files")
+    assert proc.returncode == 1 and summary["notes"] == [] and "13 listed test file(s) missing" in summary["error"]
+
+
+def test_an_empty_shard_runs_nothing_and_says_so(tmp_path):
+    checkout = _crafted_checkout(tmp_path, CHECKOUT[".buildkite/hardware_tests/cpu.yaml"])
+    proc, summary = _session(tmp_path, "--vllm-source-dir", str(checkout), "--num-shards", "3", "--shard-id", "2")
+    assert proc.returncode == 0 and "shard 2 of 3: no files to run" in proc.stdout
+    assert summary["files_run"] == [] and summary["runs"] == [] and len(summary["files"]) == 2
