@@ -95,6 +95,7 @@ def _report(figures):
 
 def test_report_json_and_markdown(tmp_path):
     figures = [bench.Figure("warm_cache_noop_s", "s", 2.5, [2.4, 2.5, 2.9]),
+               bench.Figure("warm_cache_auto_s", "s", 3.3, [3.3], detail={"note": "0 of 6 hub checkpoints cached"}),
                bench.Figure("e2e_warm_cold_ratio", "x", 0.71),
                bench.Figure.missing("e2e_cold_s", "s", "e2e-cold exited 2 (log: artifacts/bench/logs/e2e-cold.log)"),
                bench.Figure.missing("env_setup_pip_s", "s", "skipped (--skip-pip)", skipped=True)]
@@ -111,6 +112,7 @@ def test_report_json_and_markdown(tmp_path):
                         "cpu_unit_overhead_ratio": "not measured"}
     assert "| warm_cache_noop_s | 2.50 s | 2.4, 2.5, 2.9 |  |" in text
     assert "| e2e_warm_cold_ratio | 0.710 |" in text
+    assert "| warm_cache_auto_s | 3.30 s | 3.3 | 0 of 6 hub checkpoints cached |" in text
     assert "| e2e_cold_s | not measured |  | e2e-cold exited 2" in text
     assert "| env_setup_pip_s | not measured |  | skipped (--skip-pip) |" in text
     assert "not met" in text and "not measured (not selected (--only))" in text
