@@ -78,7 +78,8 @@ class Outcome:
         return data
 
 
-def explain(result: TestResult, degraded: list[dict], offline: bool | None = None) -> tuple[str | None, str | None, str | None]:
+def explain(result: TestResult, degraded: list[dict],
+            offline: bool | None = None) -> tuple[str | None, str | None, str | None]:
     """(cause, reason, declared_by) for one result; all None for a pass.
 
     A skip is the test's own statement: env-blocked when its reason names a piece of the
@@ -141,7 +142,8 @@ def plan_redirects(manifest: Manifest, mode: str, files: list[str]) -> list[Redi
     for redirect in manifest.unit.redirects:
         tests = [t for t in redirect.tests if t.split("::")[0] in files]
         if not tests:
-            plans.append(RedirectPlan(redirect, "-", "not in this run", "none of its tests is in this run's files", None, []))
+            plans.append(RedirectPlan(redirect, "-", "not in this run", "none of its tests is in this run's files",
+                                      None, []))
             continue
         src = sources.resolve(manifest, redirect.checkpoint, mode)
         path = str(fixtures.ensure(manifest, redirect.fixture)) if src.source == "fixture" else None
@@ -229,7 +231,8 @@ def run_group(group: Group, attempt: int, *, root: Path, base_env: dict[str, str
         # pytest itself failed (usage error, internal error, interrupted, nothing collected):
         # an error entry of its own, so it can never pass silently.
         tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-40:])
-        results.append(TestResult(f"<pytest {stem}>", "error", f"pytest exited {code}", tail or f"pytest exited {code}", wall))
+        message = f"pytest exited {code}"
+        results.append(TestResult(f"<pytest {stem}>", "error", message, tail or message, wall))
     return Run(group, attempt, code, wall, junit, results, env.get(OFFLINE_VAR) == "1")
 
 
@@ -296,7 +299,8 @@ def select_files(root: Path, manifest: Manifest, pinned_only: bool) -> tuple[lis
         listed = upstream.pipeline_files(root / unit.pipeline, unit.step_key)
     except upstream.UpstreamError as exc:
         if not pinned_only:
-            raise upstream.UpstreamError(f"{exc} (--pinned-files runs the manifest's list instead)", exc.exit_code) from None
+            raise upstream.UpstreamError(f"{exc} (--pinned-files runs the manifest's list instead)",
+                                         exc.exit_code) from None
         notes.append(str(exc))
         listed = None
     gap = upstream.drift(pinned, listed) if listed is not None else None
@@ -317,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse(build_parser(), argv)
     manifest = cli.start(SESSION)
     out = artifacts.artifacts_dir(SESSION)
+    for stale in (*out.glob("junit-attempt*.xml"), *out.glob("pytest-attempt*.log"), *out.glob("model-redirect-*.json")):
+        stale.unlink()  # a previous run's attempts must not pass for this run's
     base_env: dict[str, str | None] = {**envpin.session_env(manifest, SESSION), "SPECGATE_SESSION": SESSION}
     summary: dict = {"vllm_version": None, "upstream": None, "files": [], "files_run": [], "files_source": None,
                      "drift": None, "notes": [], "shard": {"num_shards": args.num_shards, "shard_id": args.shard_id}}
@@ -326,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         root = upstream.tree(version, args.vllm_source_dir)
         summary["upstream"] = upstream.describe(root)
         print(f"vLLM {version}: upstream tests at {root}")
-        files, summary["files_source"], summary["drift"], summary["notes"] = select_files(root, manifest, args.pinned_files)
+        files, summary["files_source"], summary["drift"], summary["notes"] = select_files(
+            root, manifest, args.pinned_files)
     except upstream.UpstreamError as exc:  # the summary's report prints the one line
         return finish(manifest, summary, [], [], [], exc.exit_code, error=str(exc))
     summary["files"] = files
