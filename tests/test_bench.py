@@ -199,11 +199,12 @@ def test_shell_env_drops_this_venv():
 
 
 def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECGATE_COMPILE_CACHE_DIR", str(tmp_path / "compile"))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "64")  # a hostile shell value the pins override
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/home/someone/.cache/vllm")
     manifest = load()
     summary = {"files_run": ["tests/v1/spec_decode/test_ngram.py"], "upstream": {"root": "/cache/upstream/vllm-0.32.0"}}
-    plan = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv")
+    seen = {"VLLM_CACHE_ROOT": "/c/compile/k/vllm", "TORCHINDUCTOR_CACHE_DIR": "/c/compile/k/inductor"}
+    plan = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv", seen)
     assert plan["cwd"] == "/cache/upstream/vllm-0.32.0"
     assert plan["command"][:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "pytest"]
     assert plan["command"][-1] == "tests/v1/spec_decode/test_ngram.py"
@@ -212,7 +213,10 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
     for name, value in manifest.session("cpu_unit").env.items():
         assert env[name] == value
     assert env["VIRTUAL_ENV"] == str(tmp_path / "venv") and env["PATH"].startswith(str(tmp_path / "venv" / "bin"))
-    assert env["VLLM_CACHE_ROOT"].startswith(str(tmp_path / "compile"))
+    assert (env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"]) == ("/c/compile/k/vllm", "/c/compile/k/inductor")
+    # a session whose pytest had no compile-cache variables: neither has the bare run
+    bare = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv", {})["env"]
+    assert "VLLM_CACHE_ROOT" not in bare and "TORCHINDUCTOR_CACHE_DIR" not in bare
 
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--runs", "0"], ["--only", "nothing"], ["--", "-k", "x"]])
