@@ -142,8 +142,7 @@ class Hub:
                 return ""
             from specgate import classify
 
-            label, why = classify.explain(error)
-            reason = f"{label}: {why}"
+            label, reason = classify.explain(error, offline=False)  # its reason names the label
             if label == "auth":
                 return f"{reason}; {_licence_hint(ckpt)}"
             if label != "transient" or attempt == ATTEMPTS:
