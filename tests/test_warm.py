@@ -120,7 +120,8 @@ def test_sigkill_mid_download_leaves_nothing_mistaken_for_complete(case, hub):
 
     hub.throttle.delay_s = 0
     again = spawn(tmp, manifest, "hub", "again", hub.endpoint)
-    assert again.wait(timeout=120) == 0, again.communicate()[0]
+    out = again.communicate(timeout=120)[0]
+    assert again.returncode == 0, out
     assert statuses(summary(tmp, "again"))[REPO_ID] == "downloaded"
     snap = sources.snapshot(REPO_ID, COMMIT, cache(tmp))
     assert (snap.path / "model.safetensors").read_bytes() == MODEL
@@ -243,3 +244,19 @@ def test_gated_checkpoint_without_token_asks_for_one_without_network(case, hub, 
     assert hub.total_requests() == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"missing: {REPO_ID}"))
     assert "gated and no HF token is set" in line and "set HF_TOKEN and accept the licence" in line
+
+
+def test_cli_hub_mode_on_the_real_manifest_without_a_hub_exits_75(tmp_path):
+    """The real entry point and manifest, as `nox -s warm_cache -- --model-source hub` runs
+    it on a machine where the hub cannot be reached."""
+    env = hf_env(closed_endpoint(), tmp_path / "home", HF_HUB_OFFLINE="1", SPECGATE_ARTIFACTS=str(tmp_path / "a"))
+    proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "hub", "--suites", "cpu_unit"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    expected = [c.repo_id for c in load().checkpoints_for(["cpu_unit"])]
+    missing = [l for l in proc.stdout.splitlines() if l.startswith("missing: ")]
+    assert [l.split(":")[1].strip() for l in missing] == expected
+    assert all("hub unreachable" in l for l in missing)
+    data = summary(tmp_path, "a")
+    assert SUMMARY_KEYS <= set(data) and data["exit_code"] == 75 and data["suites"] == ["cpu_unit"]
+    assert set(data["fixtures"]) == set(load().fixtures)
