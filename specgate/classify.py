@@ -77,7 +77,7 @@ _FRAME = re.compile(r"^(\s*)File \".*\", line \d+")
 _OUTCOME_LINE = re.compile(r"^(?:SKIPPED|XFAIL|XPASS|PASSED)\b|::\S+ (?:SKIPPED|XFAIL|XPASS|PASSED)\b")
 
 # --- pytest structure ---------------------------------------------------------------
-_SECTION = re.compile(r"^={3,} ?(.*?) ?={3,}$")
+_SECTION = re.compile(r"^={3,} (.+?) ={3,}$")
 _BLOCK = re.compile(r"^_{3,} (.+?) _{3,}$")
 _SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+\.py(?:::\S+)?)(?: - (.*))?$")
 _OUTSIDE = re.compile(
@@ -159,7 +159,8 @@ def _offline(lines: list[str]) -> bool | None:
     """True/False from the last offline or online marker in the lines, None without one."""
     verdict = None
     for line in lines:
-        if line.startswith(_SOURCE):
+        low = line.lower()
+        if line.startswith(_SOURCE) or ("offline" not in low and "traffic" not in low and "local_files_only" not in low):
             continue
         for match in _OFFLINE_EVIDENCE.finditer(line):
             verdict = match.group(1) is not None
