@@ -185,7 +185,8 @@ while true; do
         TRANSIENT_RERUNS=$((TRANSIENT_RERUNS + 1))
         WAIT_S=$(awk -v b="$BACKOFF" -v n="$TRANSIENT_RERUNS" 'BEGIN { print b * 2 ^ (n - 1) }')
         echo "run-cpu-test: transient -> rerunning online in ${WAIT_S}s ($TRANSIENT_RERUNS of $MAX_TRANSIENT): $REASON"
-        sleep "$WAIT_S"
+        sleep "$WAIT_S" &  # in the background so a cancel is not held up by the wait
+        wait $!
         ;;
     *)
         echo "run-cpu-test: $LABEL -> not rerunning: $REASON"
