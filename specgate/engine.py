@@ -1,0 +1,322 @@
+"""The one place that reads vLLM engine internals, and the engine process.
+
+Everything here that is not vLLM's public API (attribute paths under
+`LLM.llm_engine`, module globals vLLM decides with) goes through `engine_attr`
+or `vllm_global`, which fail with one message naming the path and the vLLM
+version when vLLM moves it. vLLM is imported lazily: the session module imports
+specgate without paying for vLLM.
+
+Engines run in processes of their own (`python -m specgate.engine REQUEST RESULT`,
+see `run_engines`), one engine at a time, each started, used, shut down and freed
+before the next, the engine core in-process (no further spawns). A process runs
+several engines while that is safe and then exits: vLLM 0.32's CPU worker scans
+every loaded module when it starts (vllm.triton_utils.dispatcher._rebind_kernels),
+and once an ngram engine has loaded numba, llvmlite's lazy library wrapper answers
+`__dict__` with a function wrapper, so any later engine in that process fails with
+"AttributeError: '_lib_fn_wrapper' object has no attribute 'get'". The caller
+orders ngram engines last so this costs no extra process in the common case.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# vLLM's own counter names (vllm/v1/spec_decode/metrics.py), read through LLM.get_metrics().
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "drafted_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# vLLM's words when it falls back (vllm/config/vllm.py, VllmConfig.use_v2_model_runner).
+V2_NEEDS_TRITON = "Model Runner V2 requires Triton; using the V1 model runner instead"
+
+
+class EngineInternalsError(RuntimeError):
+    """A vLLM internal the harness reads has moved; the message says which and where."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _moved(path: str, exc: BaseException) -> EngineInternalsError:
+    return EngineInternalsError(
+        f"vLLM {vllm_version()}: cannot read {path} ({exc}); vLLM moved this internal, "
+        "update specgate/engine.py for this version"
+    )
+
+
+def engine_attr(llm: Any, path: str) -> Any:
+    """Read `llm.llm_engine.<path>` (dotted), or fail naming the full path and the vLLM version."""
+    full = f"LLM.llm_engine.{path}"
+    obj = llm
+    for part in ["llm_engine", *path.split(".")]:
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise _moved(full, exc) from exc
+    return obj
+
+
+def vllm_global(module: str, name: str) -> Any:
+    """A module-level value vLLM decides with (e.g. the HAS_TRITON its config reads)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise _moved(f"{module}.{name}", exc) from exc
+
+
+def compilation(llm: Any) -> dict[str, str]:
+    """How the engine compiles the model: CompilationMode name and backend, as configured
+    after the platform's adjustments (CPU: DYNAMO_TRACE_ONCE + inductor, or eager under
+    VLLM_CPU_CI_ENV; NONE with enforce_eager)."""
+    mode = engine_attr(llm, "vllm_config.compilation_config.mode")
+    backend = engine_attr(llm, "vllm_config.compilation_config.backend")
+    return {"mode": getattr(mode, "name", str(mode)), "backend": str(backend)}
+
+
+def runner(llm: Any) -> str:
+    """The model runner the engine picked: "v2" or "v1"."""
+    return "v2" if engine_attr(llm, "vllm_config.use_v2_model_runner") else "v1"
+
+
+def triton_cpu_gap() -> str:
+    """What is missing for Triton on CPU, in words naming the package and its backends."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    import triton
+
+    try:
+        from triton.backends import backends
+    except ImportError as exc:
+        return f"triton {triton.__version__} is installed but triton.backends does not import ({exc})"
+    if "cpu" not in backends:
+        return (f"the Triton CPU backend is missing: triton {triton.__version__} is installed "
+                f"with backends {', '.join(sorted(backends)) or 'none'} and no 'cpu'")
+    return f"triton {triton.__version__} has a 'cpu' backend but vLLM disabled Triton (see vLLM's log)"
+
+
+def v2_runner_blocker() -> str | None:
+    """Why vLLM will pick the V1 runner before any engine starts, or None if nothing
+    known blocks V2. Mirrors VllmConfig.use_v2_model_runner: the explicit
+    VLLM_USE_V2_MODEL_RUNNER setting wins, else the HAS_TRITON that vllm.config.vllm
+    imported. Features V2 does not support are only known once a config exists, so
+    the test still asserts the runner the engine really picked."""
+    forced = vllm_global("vllm.envs", "VLLM_USE_V2_MODEL_RUNNER")
+    if forced is not None:
+        return None if forced else "VLLM_USE_V2_MODEL_RUNNER=0 forces the V1 model runner"
+    if vllm_global("vllm.config.vllm", "HAS_TRITON"):
+        return None
+    return f"{V2_NEEDS_TRITON} ({triton_cpu_gap()})"
+
+
+def model_import_error(architecture: str) -> str | None:
+    """Import the model class vLLM's registry maps `architecture` to, as the engine will.
+    None when it imports; else a line naming the module that failed and why."""
+    registry = vllm_global("vllm.model_executor.models", "ModelRegistry")
+    try:
+        model = registry.models[architecture]
+    except AttributeError as exc:
+        raise _moved("vllm.model_executor.models.ModelRegistry.models", exc) from exc
+    except KeyError:
+        return f"vLLM {vllm_version()} registers no model class for {architecture}"
+    module = getattr(model, "module_name", architecture)
+    try:
+        model.load_model_cls()
+    except ImportError as exc:
+        missing = f"{exc.name} is not importable: " if getattr(exc, "name", None) else ""
+        return (f"{missing}{type(exc).__name__}: {exc} (vLLM's model registry imports {module} "
+                f"for {architecture})")
+    return None
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """The engine's speculative-decoding counters (cumulative since it started)."""
+    values: dict[str, Any] = {key: 0 for key in SPEC_COUNTERS}
+    values["per_position"] = []
+    names = {v: k for k, v in SPEC_COUNTERS.items()}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            values[names[metric.name]] += int(metric.value)
+        elif metric.name == PER_POSITION:
+            values["per_position"] = [int(v) for v in metric.values]
+    return values
+
+
+def request_metrics(output: Any) -> dict[str, Any] | None:
+    """Per-request acceptance of one RequestOutput (per_request_spec_decode_metrics="detailed")."""
+    metrics = output.outputs[0].spec_decode_metrics
+    if metrics is None:
+        return None
+    return {
+        "num_draft_tokens": int(metrics.num_draft_tokens),
+        "histogram": list(metrics.histogram),
+        "per_step_accepted": list(metrics.per_step_accepted),
+        "per_step_drafted": list(metrics.per_step_drafted),
+    }
+
+
+def shutdown(llm: Any | None) -> None:
+    """Stop the engine (its processes, if any) and free what it holds, before the next engine
+    starts; with None (the engine failed to start) only the freeing."""
+    if llm is not None:
+        engine_attr(llm, "engine_core").shutdown()
+    cleanup = vllm_global("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory")
+    gc.collect()
+    cleanup()
+
+
+# --------------------------------------------------------------------------- the engine process
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed in a way that could not be relayed as its own exception."""
+
+
+def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine, generate greedily for every prompt (token-id lists or text), read
+    what it measured, shut it down. Returns JSON-ready data; an exception is recorded
+    (pickled with its traceback) instead of raised."""
+    result: dict[str, Any] = {"error": None}
+    llm = None
+    started = time.monotonic()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        result["import_s"] = round(time.monotonic() - started, 2)
+        started = time.monotonic()
+        llm = LLM(**llm_kwargs)
+        result["init_s"] = round(time.monotonic() - started, 2)
+        result["runner"], result["compilation"] = runner(llm), compilation(llm)
+        inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+        started = time.monotonic()
+        outputs = llm.generate(inputs, SamplingParams(**sampling), use_tqdm=False)
+        result["generate_s"] = round(time.monotonic() - started, 2)
+        result["counters"] = spec_counters(llm)
+        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+        # JSON keys are strings: logprobs travel as [token, logprob] pairs per position.
+        result["logprobs"] = [[[[t, lp.logprob] for t, lp in (step or {}).items()]
+                               for step in (o.outputs[0].logprobs or [])] for o in outputs]
+        result["request_metrics"] = [request_metrics(o) for o in outputs]
+    except Exception as exc:
+        result["error"] = _error_record(exc)
+    finally:
+        started = time.monotonic()
+        shutdown(llm)
+        del llm
+        result["shutdown_s"] = round(time.monotonic() - started, 2)
+    return result
+
+
+def _error_record(exc: BaseException) -> dict[str, str | None]:
+    from tblib import pickling_support
+
+    pickling_support.install(exc)
+    try:
+        pickled = base64.b64encode(pickle.dumps(exc)).decode("ascii")
+    except Exception:  # an exception that does not pickle still travels as text
+        pickled = None
+    return {"type": type(exc).__name__, "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc)), "pickle": pickled}
+
+
+def relay(error: dict[str, str | None]) -> BaseException:
+    """The engine process's exception, re-created with its traceback where it unpickles."""
+    if error.get("pickle"):
+        from tblib import pickling_support
+
+        pickling_support.install()
+        try:
+            return pickle.loads(base64.b64decode(error["pickle"]))
+        except Exception:
+            pass
+    return EngineProcessError(f"{error['type']}: {error['message']}\n{error['traceback']}")
+
+
+# vLLM 0.32's CPU worker start scans every loaded module and fails once llvmlite is loaded.
+LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's CPU worker start "
+                   "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
+
+
+def _generate_all(runs: list[dict[str, Any]], result_path: Path) -> None:
+    """Child side: engines one after another in this process, the result file rewritten
+    after each. Stops early (the parent starts a fresh process for the rest) after a
+    failed engine, whose leftovers could spoil the next, or once llvmlite is loaded."""
+    results: dict[str, Any] = {}
+    stopped = None
+    for index, run in enumerate(runs):
+        if index and "llvmlite" in sys.modules:
+            stopped = LLVMLITE_DEFECT
+            break
+        results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"])
+        _write_json(result_path, {"results": results, "stopped": None})
+        if results[run["key"]]["error"]:
+            stopped = "an engine failed"
+            break
+    _write_json(result_path, {"results": results, "stopped": stopped})
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
+                timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Run each {"key", "llm", "prompts", "sampling"} through `generate`, in as few fresh
+    processes as possible (`python -m specgate.engine`), one engine at a time. Returns
+    key -> result; a run that got no result (its process crashed or timed out) gets an
+    error record. A timeout (timeout_s per engine) kills the process group."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    pending = list(runs)
+    while pending:
+        attempt = len(list(workdir.glob("request-*.json")))
+        request_path, result_path = workdir / f"request-{attempt}.json", workdir / f"result-{attempt}.json"
+        request_path.write_text(json.dumps(pending), encoding="utf-8")
+        proc = subprocess.Popen([sys.executable, "-m", "specgate.engine", str(request_path), str(result_path)],
+                                env=env, start_new_session=True)
+        why = None
+        try:
+            code = proc.wait(timeout=timeout_s * len(pending))
+            if code:
+                why = f"engine process exited {code}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            why = f"engine process timed out ({timeout_s:.0f} s per engine) and was killed"
+        done = json.loads(result_path.read_text(encoding="utf-8"))["results"] if result_path.is_file() else {}
+        results.update({key: {**result, "process": attempt} for key, result in done.items()})
+        pending = [r for r in pending if r["key"] not in results]
+        if pending and why:  # the engine it was running when it died gets the blame
+            results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
+                                                    "traceback": "", "pickle": None}}
+            pending = pending[1:]
+    return results
+
+
+def main(argv: list[str]) -> int:
+    request_path, result_path = Path(argv[0]), Path(argv[1])
+    _generate_all(json.loads(request_path.read_text(encoding="utf-8")), result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
