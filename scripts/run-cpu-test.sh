@@ -68,9 +68,11 @@ masked() {
 # The argv of one attempt: timeout around `bash -c COMMAND`, inside docker when asked.
 attempt_argv() {
     local offline=$1
+    # Sessions pin HF_HUB_OFFLINE from the manifest; SPECGATE_ONLINE=1 is how a rerun asks them to go online.
+    local online=$((1 - offline))
     local inner=(timeout --kill-after="$KILL_AFTER" "$TIMEOUT_VAL" bash -c "$TEST_COMMAND")
     if [ -z "${SPECGATE_DOCKER_IMAGE:-}" ]; then
-        ARGV=(env "HF_HUB_OFFLINE=$offline" "HF_DATASETS_OFFLINE=$offline" "${inner[@]}")
+        ARGV=(env "HF_HUB_OFFLINE=$offline" "HF_DATASETS_OFFLINE=$offline" "SPECGATE_ONLINE=$online" "${inner[@]}")
         return
     fi
     ARGV=(docker run --rm --privileged=true --shm-size=4g)
@@ -82,9 +84,7 @@ attempt_argv() {
         -v "$HOME/.cache/specgate:/root/.cache/specgate"
         -v "$REPO_ROOT:$WORKDIR" -w "$WORKDIR"
         -e HF_TOKEN
-        -e "VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-16}" -e VLLM_CPU_CI_ENV=1
-        -e VLLM_CPU_SIM_MULTI_NUMA=1 -e VLLM_CPU_ATTN_SPLIT_KV=0
-        -e "HF_HUB_OFFLINE=$offline" -e "HF_DATASETS_OFFLINE=$offline"
+        -e "HF_HUB_OFFLINE=$offline" -e "HF_DATASETS_OFFLINE=$offline" -e "SPECGATE_ONLINE=$online"
         -e TERM=xterm-256color -e PY_COLORS=1 -e FORCE_COLOR=1 -e CLICOLOR_FORCE=1
     )
     # Sharding and harness settings reach the sessions inside, by name only.

@@ -31,6 +31,11 @@ def session_env(manifest: Manifest, session: str) -> dict[str, str | None]:
     return pinned
 
 
+def online_env(manifest: Manifest) -> dict[str, str]:
+    """The online retry phase: the manifest's [online.env], declared to the envcheck plugin."""
+    return {**manifest.online_env, "SPECGATE_PHASE_OVERRIDES": ",".join(sorted(manifest.online_env))}
+
+
 def installer_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """uv equivalents of the user's pip settings, where uv's own are not set.
 

@@ -85,6 +85,7 @@ class Manifest:
     unit: UnitSpec
     e2e: tuple[E2EConfig, ...]
     e2e_settings: dict[str, Any]
+    online_env: dict[str, str]
 
     def managed_env_names(self) -> set[str]:
         """Every variable some session pins: each session sets or removes all of them."""
@@ -149,16 +150,20 @@ class _Reader:
         return _Reader(self.path, value if isinstance(value, dict) else {}, f"{self._key(key)}.")
 
 
+def _env(table: _Reader) -> dict[str, str]:
+    env = {}
+    for var, value in table.data.items():
+        if not isinstance(value, str):
+            raise table.fail(var, "a string (quote numbers)", value)
+        env[var] = value
+    return env
+
+
 def _sessions(root: _Reader) -> dict[str, SessionSpec]:
     sessions = {}
     for name in root.table("sessions").data:
         table = root.table("sessions").table(name)
-        env_table = table.table("env", default={})
-        env = {}
-        for var, value in env_table.data.items():
-            if not isinstance(value, str):
-                raise env_table.fail(var, "a string (quote numbers)", value)
-            env[var] = value
+        env = _env(table.table("env", default={}))
         constraints = table.str("constraints")
         if not (REPO_ROOT / constraints).is_file():
             raise table.fail("constraints", "an existing file", constraints)
@@ -275,4 +280,5 @@ def load(path: Path | str | None = None) -> Manifest:
         unit=_unit(root, checkpoints, fixtures),
         e2e=e2e,
         e2e_settings=e2e_settings,
+        online_env=_env(root.table("online").table("env")),
     )

@@ -95,6 +95,8 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     install(session, manifest)
     env = envpin.session_env(manifest, session.name)
     env["SPECGATE_SESSION"] = session.name
+    if os.environ.get("SPECGATE_ONLINE") == "1":  # a rerun by scripts/run-cpu-test.sh
+        env.update(envpin.online_env(manifest))
     try:
         session.run("python", "-m", module, *args, *session.posargs, env=env)
     except CommandFailed as exc:

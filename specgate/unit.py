@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                   and not o.nodeid.startswith("<pytest")]  # a pytest crash is no test to rerun
         if misses:
             print(f"rerunning {len(misses)} cache-miss test(s) online ({group.name}): {', '.join(misses)}", flush=True)
-            online = Group(group.name, misses, {**group.env, OFFLINE_VAR: "0", "SPECGATE_PHASE_OVERRIDES": OFFLINE_VAR},
+            online = Group(group.name, misses, {**group.env, **envpin.online_env(manifest)},
                            group.redirect)
             if run := launch(online, 2):
                 second += explained(run, degraded)

@@ -74,7 +74,7 @@ def run(manifest: Manifest, suites: list[str] | None, mode: str, *,
     from specgate import fixtures
 
     fixture_paths = fixtures.ensure_all(manifest)
-    hub = Hub(sources.hub_cache(cache_dir), backoff_s)
+    hub = Hub(sources.hub_cache(cache_dir), backoff_s, envpin.online_env(manifest))
     rows = [warm_one(manifest, ckpt, mode, hub) for ckpt in manifest.checkpoints_for(suites)]
     code = EXIT_MISSING if any(r.source.status == "missing" for r in rows) else EXIT_OK
     report(manifest, mode, suites, rows, fixture_paths, code)
@@ -99,8 +99,8 @@ class Hub:
     """Online access to the hub for one run: a reachability probe done at most once,
     and downloads in a child process under a per-checkpoint file lock."""
 
-    def __init__(self, cache: Path, backoff_s: float) -> None:
-        self.cache, self.backoff_s = cache, backoff_s
+    def __init__(self, cache: Path, backoff_s: float, online_env: dict[str, str]) -> None:
+        self.cache, self.backoff_s, self.online_env = cache, backoff_s, online_env
         self._probed, self._unreachable = False, None
 
     def fetch(self, ckpt: Checkpoint) -> tuple[sources.Source, int]:
@@ -137,7 +137,7 @@ class Hub:
         while True:
             attempt += 1
             print(f"{ckpt.repo_id}@{ckpt.revision[:12]}: downloading (attempt {attempt}/{ATTEMPTS})", flush=True)
-            code, error = fetch_in_child(ckpt.repo_id, ckpt.revision, self.cache)
+            code, error = fetch_in_child(ckpt.repo_id, ckpt.revision, self.cache, self.online_env)
             if code == 0:
                 return ""
             from specgate import classify
@@ -184,11 +184,11 @@ def probe(endpoint: str, backoff_s: float) -> str | None:
     return f"hub unreachable: {endpoint} ({error.__class__.__name__}: {error}) after {ATTEMPTS} attempts"
 
 
-def fetch_in_child(repo_id: str, revision: str, cache: Path) -> tuple[int, str]:
+def fetch_in_child(repo_id: str, revision: str, cache: Path, online_env: dict[str, str]) -> tuple[int, str]:
     """Run snapshot_download online in a child; progress goes to our stderr.
     Returns (exit code, error text)."""
     env = dict(os.environ)
-    env["HF_HUB_OFFLINE"] = "0"  # the one deliberate online step; the session itself stays offline
+    env.update(online_env)  # the one deliberate online step; the session itself stays offline
     for name, value in CHILD_TIMEOUTS.items():
         env.setdefault(name, value)
     proc = subprocess.run(

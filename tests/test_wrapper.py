@@ -245,7 +245,7 @@ def test_docker_dry_run_shows_the_command_with_secrets_masked(tmp_path):
     home = str(tmp_path)
     for piece in (f"-v {home}/.cache/huggingface:/root/.cache/huggingface", f"-v {home}/.cache/vllm:/root/.cache/vllm",
                   f"-v {home}/.cache/specgate:/root/.cache/specgate", f"-v {REPO}:/workspace/specgate -w /workspace/specgate",
-                  " -e HF_TOKEN ", "-e HF_HUB_OFFLINE=1 -e HF_DATASETS_OFFLINE=1", "-e VLLM_CPU_CI_ENV=1",
+                  " -e HF_TOKEN ", "-e HF_HUB_OFFLINE=1 -e HF_DATASETS_OFFLINE=1 -e SPECGATE_ONLINE=0",
                   "-e BUILDKITE_PARALLEL_JOB ", "-e SPECGATE_MODEL_SOURCE ",
                   " cpu-test-1 timeout --kill-after=30s 30m bash -c "):
         assert piece in out, piece
