@@ -262,7 +262,7 @@ def _toml(value) -> str:
 
 
 def write_manifest(folder: Path, checkpoints: dict[str, dict], fixture: str = "tiny-qwen3") -> Path:
-    """A small valid manifest: the real sessions and unit table, the given checkpoints
+    """A small valid manifest: the real sessions, online env and unit table, the given checkpoints
     (repo_id -> {revision, suites[, gated]}), each standing in with `fixture` copied
     from the real manifest."""
     real = specgate_manifest.load()
@@ -273,6 +273,7 @@ def write_manifest(folder: Path, checkpoints: dict[str, dict], fixture: str = "t
         target.touch()
         lines += [f"[sessions.{name}]", f"constraints = {_toml(spec.constraints)}", f"[sessions.{name}.env]"]
         lines += [f"{k} = {_toml(v)}" for k, v in spec.env.items()]
+    lines += ["[online.env]", *(f"{k} = {_toml(v)}" for k, v in real.online_env.items())]
     unit = real.unit
     lines += ["[unit]", f"pipeline = {_toml(unit.pipeline)}", f"step_key = {_toml(unit.step_key)}",
               f"timeout_s = {unit.timeout_s}", f"files = {_toml(list(unit.files))}"]
