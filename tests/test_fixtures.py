@@ -1,0 +1,411 @@
+"""Fixture checkpoints: byte-identical rebuilds in separate processes, a hash that follows the
+inputs, one build under three concurrent real processes, no half fixture after SIGKILL, the
+config fields and tensor shapes vLLM reads, and the known-answer designs checked with plain
+torch (and transformers' own model classes) on the built weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from specgate import fixtures
+from specgate.fixtures import EOS_ID, MASK_ID, VOCAB
+from specgate.manifest import REPO_ROOT, Fixture, load
+
+CLI = [sys.executable, "-m", "specgate.fixtures"]
+
+
+def _cli(cache: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECGATE_CACHE_DIR": str(cache)}
+    return subprocess.run([*CLI, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _paths(result: subprocess.CompletedProcess) -> dict[str, Path]:
+    assert result.returncode == 0, result.stderr
+    return {name: Path(path) for name, path in (line.split("\t") for line in result.stdout.splitlines())}
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fixture-cache-a")
+
+
+@pytest.fixture(scope="module")
+def built(cache) -> dict[str, Path]:
+    """Every manifest fixture, built once by the CLI in its own process."""
+    return _paths(_cli(cache, "--print-paths"))
+
+
+@pytest.fixture
+def use_cache(cache, monkeypatch) -> Path:
+    monkeypatch.setenv("SPECGATE_CACHE_DIR", str(cache))
+    return cache
+
+
+def _by_kind(built: dict[str, Path], kind: str) -> Path:
+    name = next(n for n, f in load().fixtures.items() if f.kind == kind)
+    return built[name]
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+# ---------------------------------------------------------------------------
+# Determinism, hashing, cache behaviour
+# ---------------------------------------------------------------------------
+
+def test_manifest_covers_every_kind():
+    assert {f.kind for f in load().fixtures.values()} == set(fixtures.FIXTURE_KINDS)
+
+
+def test_rebuild_in_another_process_and_cache_is_byte_identical(built, tmp_path):
+    again = _paths(_cli(tmp_path / "cache-b", "--print-paths"))
+    assert again.keys() == built.keys()
+    for name, path in built.items():
+        assert again[name].name == path.name, "same inputs, same hash"
+        assert again[name] != path
+        assert _digests(again[name]) == _digests(path), name
+        assert {"config.json", "model.safetensors", "tokenizer.json", "fixture.json"} <= set(_digests(path))
+
+
+def test_hash_follows_kind_params_and_source(tmp_path, monkeypatch):
+    base = Fixture("x", "qwen3-random", {})
+    assert fixtures.fixture_hash(base) == fixtures.fixture_hash(Fixture("y", "qwen3-random", {"seed": 0}))
+    assert fixtures.fixture_hash(base) != fixtures.fixture_hash(Fixture("x", "qwen3-random", {"seed": 1}))
+    assert fixtures.fixture_hash(base) != fixtures.fixture_hash(Fixture("x", "qwen3-successor", {}))
+    edited = tmp_path / "fixtures.py"
+    edited.write_text(fixtures.SOURCE.read_text() + "\n# edited\n")
+    before = fixtures.fixture_hash(base)
+    monkeypatch.setattr(fixtures, "SOURCE", edited)
+    assert fixtures.fixture_hash(base) != before
+
+
+@pytest.mark.parametrize("fixture, message", [
+    (Fixture("f", "no-such-kind", {}), "unknown kind 'no-such-kind'"),
+    (Fixture("f", "qwen3-random", {"sed": 1}), "unknown param(s) sed"),
+    (Fixture("f", "qwen3-random", {"seed": "1"}), "param 'seed' must be int"),
+])
+def test_bad_fixture_entries_fail_in_one_line(fixture, message):
+    with pytest.raises(fixtures.FixtureError) as info:
+        fixtures.fixture_hash(fixture)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("command", [CLI, [sys.executable, str(REPO_ROOT / "scripts" / "build_fixtures.py")]])
+def test_cli_rejects_an_unknown_name_with_exit_2(command, tmp_path):
+    env = {**os.environ, "SPECGATE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([*command, "--only", "tiny-qwen3", "no-such-fixture"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"specgate.fixtures: unknown fixture 'no-such-fixture' (known: {', '.join(sorted(load().fixtures))})"]
+    assert not list((tmp_path / "fixtures").glob("tiny-qwen3-*")), "nothing is built when a name is bad"
+
+
+# A child process that counts its builder calls in a shared file, signals that it is building,
+# and waits for a start file so that all children call ensure() at the same moment.
+CHILD = """
+import os, sys, time
+from pathlib import Path
+from specgate import fixtures
+from specgate.manifest import load
+kind, log, start, hold = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
+real = fixtures.FIXTURE_KINDS[kind]
+def counted(params):
+    with log.open("a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(hold)
+    return real(params)
+fixtures.FIXTURE_KINDS[kind] = counted
+while not start.exists():
+    time.sleep(0.01)
+print(fixtures.ensure(load(), "tiny-qwen3"))
+"""
+
+
+def _child(tmp_path: Path, cache: Path, hold: float) -> subprocess.Popen:
+    env = {**os.environ, "SPECGATE_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen([sys.executable, "-c", CHILD, "qwen3-random", str(tmp_path / "builds.log"),
+                             str(tmp_path / "start"), str(hold)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def test_three_concurrent_processes_build_once(tmp_path):
+    cache = tmp_path / "cache"
+    children = [_child(tmp_path, cache, hold=1.0) for _ in range(3)]
+    time.sleep(0.5)
+    (tmp_path / "start").touch()
+    outputs = [c.communicate(timeout=300)[0].strip() for c in children]
+    assert [c.returncode for c in children] == [0, 0, 0]
+    assert len(set(outputs)) == 1
+    assert len((tmp_path / "builds.log").read_text().splitlines()) == 1
+    folder = Path(outputs[0])
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in folder.iterdir()}
+    assert not list(folder.parent.glob(".*.tmp*"))
+
+
+def test_sigkilled_build_leaves_no_fixture_and_the_next_ensure_recovers(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    (tmp_path / "start").touch()
+    child = _child(tmp_path, cache, hold=60.0)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "builds.log").exists():
+        assert time.monotonic() < deadline and child.poll() is None
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    monkeypatch.setenv("SPECGATE_CACHE_DIR", str(cache))
+    manifest = load()
+    final = fixtures.fixture_dir(manifest, "tiny-qwen3")
+    assert not final.exists()
+    assert list(final.parent.glob(f".{final.name}.tmp*")), "the killed build's temporary folder is left"
+    assert fixtures.ensure(manifest, "tiny-qwen3") == final
+    assert (final / "model.safetensors").is_file()
+    assert not list(final.parent.glob(f".{final.name}.tmp*")), "ensure() cleared it under the lock"
+
+
+def test_describe_reports_facts_and_the_expected_continuation(built, use_cache):
+    manifest = load()
+    for name, path in built.items():
+        info = fixtures.describe(manifest, name)
+        assert info["path"] == path and info["name"] == name
+        assert info["hash"] == path.name.rsplit("-", 1)[1] == fixtures.fixture_hash(manifest.fixtures[name])
+        assert info["kind"] == manifest.fixtures[name].kind and info["vocab_size"] == VOCAB
+        assert ("expected_successor" in info) == (info["successor"] and info["role"] == "target")
+    succ = fixtures.describe(manifest, "successor-qwen3")["expected_successor"]
+    assert succ([5, 6, 7], 3, VOCAB) == [8, 9, 10]
+    assert succ([509, 510], 4, VOCAB) == [511, 0, 1, 2]
+    dflash = fixtures.describe(manifest, "dflash-successor")
+    assert dflash["mask_token_id"] == MASK_ID and dflash["aux_layer_ids"] == [1, 2]
+    assert dflash["max_speculative_tokens"] == 5
+    assert fixtures.describe(manifest, "eagle3-random")["aux_layer_ids"] == [0, 1, 2]
+    assert fixtures.describe(manifest, "tiny-qwen3")["speculative_method"] == "ngram"
+
+
+# ---------------------------------------------------------------------------
+# What vLLM reads
+# ---------------------------------------------------------------------------
+
+def test_tokenizer_covers_every_id_and_round_trips_text(built):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(built["tiny-qwen3"]))
+    assert len(tok) == VOCAB
+    assert tok.eos_token_id == EOS_ID and tok.convert_tokens_to_ids("<|mask|>") == MASK_ID
+    text = "the cat sat on the mat. 1 2 3 hello, world!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and max(ids) < EOS_ID
+    assert all(isinstance(tok.decode([i]), str) for i in range(VOCAB))
+
+
+def test_target_configs(built):
+    for kind, arch in [("qwen3-random", "Qwen3ForCausalLM"), ("qwen3-successor", "Qwen3ForCausalLM"),
+                       ("mimo-mtp-random", "MiMoForCausalLM"), ("mimo-mtp-successor", "MiMoForCausalLM"),
+                       ("qwen35-mtp-random", "Qwen3_5ForCausalLM")]:
+        config = _config(_by_kind(built, kind))
+        assert config["architectures"] == [arch], kind
+        assert config["vocab_size"] == VOCAB and config["hidden_size"] == 512
+        assert config["head_dim"] == 64 or config["hidden_size"] // config["num_attention_heads"] == 64
+        assert config["max_position_embeddings"] == 2048 and config["tie_word_embeddings"] is False
+        assert config["dtype"] == "bfloat16" and config["eos_token_id"] == EOS_ID
+    assert _config(_by_kind(built, "mimo-mtp-random"))["num_nextn_predict_layers"] == 1
+    qwen35 = _config(_by_kind(built, "qwen35-mtp-random"))
+    assert qwen35["model_type"] == "qwen3_5_text" and qwen35["mtp_num_hidden_layers"] == 1
+    assert qwen35["layer_types"] == ["linear_attention", "full_attention"]
+
+
+def test_mtp_weights_sit_next_to_the_body(built):
+    for kind in ("mimo-mtp-random", "mimo-mtp-successor"):
+        names = set(_tensors(_by_kind(built, kind)))
+        mtp = {n.removeprefix("model.mtp_layers.0.") for n in names if n.startswith("model.mtp_layers.0.")}
+        assert {"token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+                "final_layernorm.weight",
+                "self_attn.q_proj.bias", "self_attn.o_proj.weight", "mlp.down_proj.weight",
+                "input_layernorm.weight", "post_attention_layernorm.weight"} <= mtp
+    with safe_open(str(_by_kind(built, "qwen35-mtp-random") / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("mtp.fc.weight").get_shape() == [512, 1024]
+    assert {"mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.down_proj.weight",
+            "model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.A_log"} <= names
+
+
+def test_qwen35_loads_in_transformers_with_no_missing_weights(built):
+    from transformers import Qwen3_5ForCausalLM
+
+    model, info = Qwen3_5ForCausalLM.from_pretrained(str(_by_kind(built, "qwen35-mtp-random")),
+                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_draft_configs_and_shapes(built):
+    for kind in ("eagle3-random", "eagle3-successor"):
+        folder = _by_kind(built, kind)
+        config, tensors = _config(folder), _tensors(folder)
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert config["draft_vocab_size"] == VOCAB and config["target_hidden_size"] == 512
+        assert tensors["fc.weight"].shape == (512, 3 * 512)
+        assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 512
+        assert tensors["lm_head.weight"].shape == (VOCAB, 512)
+        assert not any("embed_tokens" in n for n in tensors), "shared from the target"
+    for kind in ("dflash-random", "dflash-successor"):
+        folder = _by_kind(built, kind)
+        config, tensors = _config(folder), _tensors(folder)
+        assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+        assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 1]}
+        assert tensors["fc.weight"].shape == (512, 2 * 512)
+        assert not any("embed_tokens" in n or "lm_head" in n for n in tensors), "shared from the target"
+        assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+
+
+# ---------------------------------------------------------------------------
+# Known answers, on the built bf16 weights
+# ---------------------------------------------------------------------------
+
+def test_successor_targets_predict_the_next_token_in_transformers(built):
+    from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    prompt = [5, 6, 7, 300, 511]
+    for kind, cls in [("qwen3-successor", Qwen3ForCausalLM), ("mimo-mtp-successor", Qwen2ForCausalLM)]:
+        model = cls.from_pretrained(str(_by_kind(built, kind)), dtype=torch.bfloat16)
+        logits = model(torch.tensor([prompt])).logits[0].float()
+        assert logits.argmax(-1).tolist() == [(t + 1) % VOCAB for t in prompt], kind
+        top2 = logits.topk(2).values
+        assert (top2[:, 0] - top2[:, 1] > 20).all(), "the answer wins by sqrt(512) logits"
+        out = model.generate(torch.tensor([[509, 510]]), max_new_tokens=8, do_sample=False)
+        assert out[0, 2:].tolist() == fixtures.expected_successor([509, 510], 8, VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-random", "mimo-mtp-random", "qwen35-mtp-random"])
+def test_random_targets_follow_their_planted_map_with_a_wide_margin(built, kind):
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3ForCausalLM
+
+    folder = _by_kind(built, kind)
+    cls = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM}[
+        AutoConfig.from_pretrained(str(folder)).model_type]
+    planted = json.loads((folder / "fixture.json").read_text())["planted_next_token"]
+    assert set(planted) <= set(fixtures.LOOP_TOKENS)
+    model = cls.from_pretrained(str(folder), dtype=torch.bfloat16)
+    prompt = AutoTokenizer.from_pretrained(str(folder)).encode("the cat sat on the mat. the cat sat")
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
+    chain = [out[len(prompt) - 1]]
+    for _ in range(24):
+        chain.append(planted[chain[-1]])
+    assert out[len(prompt):] == chain[1:]
+    logits = model(torch.tensor([out])).logits[0, len(prompt) - 1:-1].float()
+    top2 = logits.topk(2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 10.0, "no rounding difference can flip the argmax"
+    assert len(set(out[-8:])) < 8, "greedy decoding has fallen into a loop"
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(x.dtype)
+
+
+def test_eagle3_successor_moves_one_token_per_step(built):
+    """vLLM's EAGLE-3 layer (norm_before_residual, attention output zero) on every token."""
+    w = _tensors(_by_kind(built, "eagle3-successor"))
+    target_lm_head = _tensors(_by_kind(built, "qwen3-successor"))["lm_head.weight"]
+    assert torch.equal(w["lm_head.weight"], target_lm_head)
+    tokens = torch.arange(VOCAB)
+    onehot = torch.eye(VOCAB, dtype=torch.bfloat16)
+    hidden = torch.cat([onehot] * 3, dim=1) @ w["fc.weight"].T            # aux states are e(t)
+    for step in range(1, 4):
+        residual = _rms(hidden, w["midlayer.hidden_norm.weight"])
+        x = _rms(residual, w["midlayer.post_attention_layernorm.weight"])
+        gate, up = x @ w["midlayer.mlp.gate_proj.weight"].T, x @ w["midlayer.mlp.up_proj.weight"].T
+        act = torch.nn.functional.silu(gate) * up
+        hidden = residual + act @ w["midlayer.mlp.down_proj.weight"].T     # fed to the next step
+        logits = _rms(hidden, w["norm.weight"]) @ w["lm_head.weight"].T
+        assert torch.equal(logits.argmax(-1), (tokens + step + 1) % VOCAB), f"draft step {step}"
+
+
+def test_mimo_mtp_successor_layer_proposes_the_successor(built):
+    w = _tensors(_by_kind(built, "mimo-mtp-successor"))
+    mtp = "model.mtp_layers.0."
+    tokens = torch.arange(VOCAB)
+    embeds = torch.eye(VOCAB, dtype=torch.bfloat16)[(tokens + 1) % VOCAB]   # embed(t_{i+1})
+    hidden = math.sqrt(VOCAB) * torch.eye(VOCAB, dtype=torch.bfloat16)    # target output for t_i
+    for position_zero in (False, True):
+        e = torch.zeros_like(embeds) if position_zero else embeds
+        x = torch.cat([_rms(hidden, w[f"{mtp}hidden_layernorm.weight"]),
+                       _rms(e, w[f"{mtp}token_layernorm.weight"])], 1)
+        h = x @ w[f"{mtp}input_proj.weight"].T          # the MTP block adds zero (o_proj, down_proj = 0)
+        assert not w[f"{mtp}self_attn.o_proj.weight"].any() and not w[f"{mtp}mlp.down_proj.weight"].any()
+        logits = _rms(h, w[f"{mtp}final_layernorm.weight"]) @ w["lm_head.weight"].T
+        assert torch.equal(logits.argmax(-1), (tokens + 2) % VOCAB)
+
+
+def _neox_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / base ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))
+    angles = positions.float()[:, None] * inv_freq
+    cos, sin = angles.cos().to(x.dtype)[:, None, :], angles.sin().to(x.dtype)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("start", [1, 37, 500])
+def test_dflash_successor_slot_j_drafts_bonus_plus_j(built, k, start):
+    """vLLM's DFlash query pass on the built weights, for every bonus token x at once: the block
+    [x, mask * k] at positions start..start+k attends to itself and to `start` context
+    positions whose keys and values are zero (fc = 0)."""
+    w = _tensors(_by_kind(built, "dflash-successor"))
+    target_lm_head = _tensors(_by_kind(built, "qwen3-successor"))["lm_head.weight"]
+    config = _config(_by_kind(built, "dflash-successor"))
+    heads, kv_heads, layer = config["num_attention_heads"], config["num_key_value_heads"], "layers.0.self_attn."
+    ids = torch.cat([torch.arange(VOCAB)[:, None], torch.full((VOCAB, k), MASK_ID)], dim=1)   # [x, mask...]
+    residual = torch.eye(VOCAB, dtype=torch.bfloat16)[ids]                                   # [V, k+1, H]
+    x = _rms(residual, w["layers.0.input_layernorm.weight"])
+    q = (x @ w[f"{layer}q_proj.weight"].T).unflatten(-1, (heads, 64))
+    kk = (x @ w[f"{layer}k_proj.weight"].T).unflatten(-1, (kv_heads, 64))
+    v = (x @ w[f"{layer}v_proj.weight"].T).unflatten(-1, (kv_heads, 64))
+    positions = torch.arange(start, start + k + 1)
+    q = torch.stack([_neox_rope(_rms(q[b], w[f"{layer}q_norm.weight"]), positions) for b in range(VOCAB)])
+    kk = torch.stack([_neox_rope(_rms(kk[b], w[f"{layer}k_norm.weight"]), positions) for b in range(VOCAB)])
+    group = heads // kv_heads
+    kk, v = kk.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk.float()) / 8.0
+    context = torch.zeros(VOCAB, heads, k + 1, start)                   # zero keys score 0
+    probs = torch.cat([scores, context], dim=-1).softmax(-1)[..., : k + 1]
+    attn = torch.einsum("bhqk,bkhd->bqhd", probs, v.float()).flatten(2).to(torch.bfloat16)
+    hidden = residual + attn @ w[f"{layer}o_proj.weight"].T              # MLP output is zero
+    assert not w["layers.0.mlp.down_proj.weight"].any() and not w["fc.weight"].any()
+    logits = _rms(hidden, w["norm.weight"]).float() @ target_lm_head.float().T
+    drafted = logits.argmax(-1)[:, 1:]                                   # mask slots 1..k
+    expected = (torch.arange(VOCAB)[:, None] + torch.arange(1, k + 1)) % VOCAB
+    assert torch.equal(drafted, expected)
+    top2 = logits[:, 1:].topk(2, dim=-1).values
+    assert (top2[..., 0] - top2[..., 1]).min() > 1.0
+
+
+def test_dflash_kernel_margin_is_what_the_builder_documents():
+    const, margin = fixtures.dflash_kernel(5)
+    assert 0 < margin < const < 1
+    f = [sum(a * math.cos(d * fixtures._rope_freq(i)) for i, a in fixtures.DFLASH_KERNEL.items()) - const
+         for d in range(-9, 10)]
+    assert f[9] == pytest.approx(margin) and max(f[:9] + f[10:]) == pytest.approx(-margin)
