@@ -1,0 +1,202 @@
+"""Engine tests of `nox -s cpu_e2e`: the plan, one engine at a time, and what the tests record.
+
+Engine starts dominate the session's time, so every engine (a target, a speculative
+configuration and the prompt set its target calls for, see specgate.e2e.Run) starts
+once per session, in a process of its own that exits (freeing everything) before the
+next one starts: it generates every prompt of its set and its measurements are kept.
+Tests that need the same engine share its results.
+
+Collection reads only the manifest (and the session's plan.json): no vLLM import,
+no fixture build, so `nox -s tests` collects this folder for free and deselects it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specgate import cli, e2e, engine, pytestrun
+from specgate.manifest import load
+
+MANIFEST = load()
+PLANNED = e2e.planned_ids(os.environ.get(e2e.PLAN_VAR))
+CONFIGS = [c for c in MANIFEST.e2e if PLANNED is None or c.id in PLANNED]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "configs(test): parametrize `config_id` with the configs "
+                                       "specgate.e2e.SELECTORS[test] picks")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("configs")
+    if marker is None:
+        return
+    kind = marker.args[0]
+    if kind == "known_answer_baseline":
+        metafunc.parametrize("target_fixture", e2e.known_answer_targets(CONFIGS))
+    else:
+        metafunc.parametrize("config_id", e2e.select(CONFIGS, kind))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test no config of this run selects is deselected, not reported as a skip."""
+    empty = [item for item in items if item.get_closest_marker("configs") is not None
+             and not any(isinstance(v, str) for v in getattr(item, "callspec", None).params.values())]
+    if empty:
+        config.hook.pytest_deselected(items=empty)
+        items[:] = [item for item in items if item not in empty]
+
+
+@dataclass
+class Plan:
+    mode: str
+    settings: e2e.Settings
+    configs: dict[str, e2e.Config]
+
+
+@pytest.fixture(scope="session")
+def plan() -> Plan:
+    path = os.environ.get(e2e.PLAN_VAR)
+    if path:
+        mode, settings, configs = e2e.load_plan(path)
+    else:  # pytest run by hand: resolve here, under $SPECGATE_MODEL_SOURCE (default auto)
+        mode = cli.resolve_model_source(None)
+        settings = e2e.Settings.parse(MANIFEST)
+        configs = [e2e.resolve_config(MANIFEST, c, mode) for c in CONFIGS]
+    return Plan(mode, settings, {c.id: c for c in configs})
+
+
+@pytest.fixture(scope="session")
+def recorder(tmp_path_factory: pytest.TempPathFactory) -> e2e.Recorder:
+    path = os.environ.get(e2e.RECORDS_VAR) or tmp_path_factory.mktemp("e2e") / "records.jsonl"
+    return e2e.Recorder(path)
+
+
+@pytest.fixture
+def row(request: pytest.FixtureRequest, recorder: e2e.Recorder) -> dict[str, Any]:
+    """The test's summary row: the test fills it in, it is recorded whatever the outcome."""
+    data: dict[str, Any] = {"test": request.node.nodeid}
+    yield data
+    recorder.write("test", **data)
+
+
+@dataclass
+class Result:
+    """What one engine produced, kept for every test that needs it."""
+    run: e2e.Run
+    prompts: list[Any]
+    max_tokens: int
+    data: dict[str, Any]
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return self.data["token_ids"]
+
+    @property
+    def logprobs(self) -> list[list[dict[int, float]]]:
+        return [[dict((int(t), lp) for t, lp in step) for step in seq] for seq in self.data["logprobs"]]
+
+    @property
+    def pairs(self) -> list[tuple[list[int], list[dict[int, float]]]]:
+        return list(zip(self.token_ids, self.logprobs))
+
+    @property
+    def request_metrics(self) -> list[dict[str, Any] | None]:
+        return self.data["request_metrics"]
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        return self.data["counters"]
+
+    @property
+    def runner(self) -> str:
+        return self.data["runner"]
+
+    @property
+    def compilation(self) -> dict[str, str]:
+        return self.data["compilation"]
+
+    def acceptance(self) -> dict[str, Any]:
+        c = self.counters
+        return {"drafts": c["drafts"], "drafted_tokens": c["drafted_tokens"], "accepted_tokens": c["accepted_tokens"],
+                "acceptance_len": round(e2e.acceptance_len(c["drafts"], c["accepted_tokens"]), 4)}
+
+
+class Engines:
+    """Runs every engine the selected tests need once, one at a time: when a test first
+    needs an engine, every pending engine runs, in as few processes as possible
+    (specgate.engine.run_engines), in specgate.e2e.process_order."""
+
+    def __init__(self, settings: e2e.Settings, recorder: e2e.Recorder, workdir: Path,
+                 pending: list[e2e.Run], expected_to_fail: set[str]) -> None:
+        self.settings, self.recorder, self.workdir = settings, recorder, workdir
+        self.pending, self.expected_to_fail = pending, expected_to_fail
+        self.results: dict[str, Result | BaseException] = {}
+
+    def result(self, run: e2e.Run) -> Result:
+        if run.key not in self.results:
+            group = e2e.process_order([*self.pending, run], self.expected_to_fail)
+            self.pending = []
+            self._generate(group)
+        outcome = self.results[run.key]
+        if isinstance(outcome, BaseException):
+            raise outcome  # every test that needs this engine reports its error
+        return outcome
+
+    def _generate(self, group: list[e2e.Run]) -> None:
+        requests, inputs = [], {}
+        for run in group:
+            prompts, max_tokens = e2e.prompts_for(run, self.settings)
+            inputs[run.key] = (prompts, max_tokens)
+            requests.append({"key": run.key, "llm": e2e.llm_kwargs(run, self.settings), "prompts": prompts,
+                             "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+                                          "logprobs": self.settings.num_logprobs}})
+        env = pytestrun.child_env(self.settings.child_env())
+        done = engine.run_engines(requests, self.workdir / f"group-{len(self.results)}", env=env,
+                                  timeout_s=self.settings.engine_timeout_s)
+        for run in group:
+            data = done[run.key]
+            error = engine.relay(data["error"]) if data["error"] else None
+            self.recorder.write("engine", key=run.key, **e2e.run_identity(run), runner=data.get("runner"),
+                                compilation=data.get("compilation"), counters=data.get("counters"),
+                                error=f"{type(error).__name__}: {error}".splitlines()[0] if error else None,
+                                **{k: data.get(k) for k in ("process", "import_s", "init_s", "generate_s", "shutdown_s")})
+            self.results[run.key] = error if error is not None else Result(run, *inputs[run.key], data)
+
+
+def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[e2e.Run], set[str]]:
+    """The engines the selected tests will read, without those a test skips before
+    reading (V2 blocked, environment blocked); and the keys expected to fail."""
+    runs, expected_to_fail = [], set()
+    v2_blocked = engine.v2_runner_blocker()
+    for item in items:
+        marker = item.get_closest_marker("configs")
+        if marker is None:
+            continue
+        test, params = marker.args[0], item.callspec.params
+        if test == "known_answer_baseline":
+            runs.append(e2e.known_answer_baseline_run(plan.configs.values(), params["target_fixture"]))
+            continue
+        if test == "v2_smoke" and v2_blocked:
+            continue
+        found = e2e.runs_for(test, plan.configs[params["config_id"]])
+        runs += found
+        if test == "known_defect":
+            expected_to_fail |= {r.key for r in found}
+    blocked: dict[str, bool] = {}
+    for run in runs:
+        if run.key not in blocked:
+            blocked[run.key] = e2e.environment_block(run) is not None
+    return [r for r in runs if not blocked[r.key]], expected_to_fail
+
+
+@pytest.fixture(scope="session")
+def engines(request: pytest.FixtureRequest, plan: Plan, recorder: e2e.Recorder,
+            tmp_path_factory: pytest.TempPathFactory) -> Engines:
+    pending, expected_to_fail = _needed_runs(request.session.items, plan)
+    return Engines(plan.settings, recorder, tmp_path_factory.mktemp("engines"), pending, expected_to_fail)
