@@ -15,6 +15,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MANIFEST = REPO_ROOT / "manifest.toml"
 REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
+UNPINNED = "unpinned"  # a checkpoint whose commit is not known yet; never fetched, see Checkpoint.unpinned_reason
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 SPEC_METHODS = ("none", "ngram", "eagle3", "dflash", "mtp")
 RUNNERS = ("v1", "v2")
@@ -38,6 +39,11 @@ class Checkpoint:
     fixture: str
     suites: tuple[str, ...]
     gated: bool = False
+    unpinned_reason: str | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.revision != UNPINNED
 
 
 @dataclass(frozen=True)
@@ -181,12 +187,17 @@ def _checkpoints(root: _Reader, fixtures: dict[str, Fixture]) -> dict[str, Check
         fixture = entry.str("fixture")
         if fixture not in fixtures:
             raise entry.fail("fixture", f"a fixture declared under [fixtures] ({', '.join(sorted(fixtures))})", fixture)
+        unpinned_reason = entry.str("unpinned_reason", default=None)
+        revision = entry.str("revision")
+        if not (REVISION_RE.match(revision) or (revision == UNPINNED and unpinned_reason)):
+            raise entry.fail("revision", f"a 40-hex commit revision (or {UNPINNED!r} with an unpinned_reason)", revision)
         checkpoints[repo_id] = Checkpoint(
             repo_id=repo_id,
-            revision=entry.str("revision", pattern=REVISION_RE, expected="a 40-hex commit revision"),
+            revision=revision,
             fixture=fixture,
             suites=entry.str_list("suites"),
             gated=entry.get("gated", bool, "true or false", False),
+            unpinned_reason=unpinned_reason,
         )
     return checkpoints
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specgate.cli import MODEL_SOURCES, BadInput
-from specgate.manifest import Checkpoint, Manifest
+from specgate.manifest import UNPINNED, Checkpoint, Manifest
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,8 @@ def snapshot(repo_id: str, revision: str, cache_dir: Path | str | None = None) -
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
     where = f"{repo_id}@{revision[:12]}"
+    if revision == UNPINNED:
+        return Snapshot(None, 0, f"{repo_id}: no pinned revision, so no cached snapshot can count as it")
     folder = repo_folder(repo_id, cache_dir) / "snapshots" / revision
     try:
         files = get_cached_repo_tree(repo_id, revision=revision, cache_dir=hub_cache(cache_dir))

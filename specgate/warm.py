@@ -115,7 +115,7 @@ class Hub:
             snap = sources.snapshot(ckpt.repo_id, ckpt.revision, self.cache)
             if snap.path is not None:  # completed by the run we waited for
                 return sources.hub_source(ckpt, snap), snap.size
-            reason = _needs_token(ckpt) or self.unreachable() or self._download(ckpt)
+            reason = _unpinned(ckpt) or _needs_token(ckpt) or self.unreachable() or self._download(ckpt)
             if not reason:
                 snap = sources.snapshot(ckpt.repo_id, ckpt.revision, self.cache)
                 reason = snap.reason and f"download finished but the snapshot is incomplete: {snap.reason}"
@@ -182,6 +182,13 @@ def probe(endpoint: str, backoff_s: float) -> str | None:
             if attempt + 1 < ATTEMPTS:
                 time.sleep(backoff_s * 2 ** attempt / 4)
     return f"hub unreachable: {endpoint} ({error.__class__.__name__}: {error}) after {ATTEMPTS} attempts"
+
+
+def _unpinned(ckpt: Checkpoint) -> str | None:
+    """Only pinned revisions are fetched: a moving branch would make two runs test two models."""
+    if ckpt.pinned:
+        return None
+    return f"failure: {ckpt.repo_id} has no pinned revision in the manifest ({ckpt.unpinned_reason})"
 
 
 def fetch_in_child(repo_id: str, revision: str, cache: Path, online_env: dict[str, str]) -> tuple[int, str]:

@@ -21,7 +21,7 @@ def test_real_manifest_loads_and_pins_the_fourteen_unit_files():
     assert manifest.unit.step_key == "cpu-spec-decode-tests"
     assert {"tests", "warm_cache", "cpu_unit", "cpu_e2e"} <= set(manifest.sessions)
     for checkpoint in manifest.checkpoints.values():
-        assert m.REVISION_RE.match(checkpoint.revision), checkpoint
+        assert m.REVISION_RE.match(checkpoint.revision) or checkpoint.unpinned_reason, checkpoint
         assert checkpoint.fixture in manifest.fixtures
 
 
@@ -43,7 +43,7 @@ BROKEN = [
     ('step_key = "cpu-spec-decode-tests"', "step_key = 3", "key 'unit.step_key': expected a string, got 3"),
     ("timeout_s = 600", "timeout_s = -1", "key 'unit.timeout_s': expected a positive integer, got -1"),
     ('revision = "c1899de289a04d12100db370d81485cdf75e47ca"', 'revision = "main"',
-     "key 'checkpoints.Qwen/Qwen3-0.6B.revision': expected a 40-hex commit revision, got 'main'"),
+     "key 'checkpoints.Qwen/Qwen3-0.6B.revision': expected a 40-hex commit revision (or 'unpinned' with an unpinned_reason), got 'main'"),
     ('VLLM_CPU_CI_ENV = "1"', "VLLM_CPU_CI_ENV = 1", "key 'sessions.cpu_unit.env.VLLM_CPU_CI_ENV': expected a string"),
     ('constraints = "constraints/vllm-cpu.txt"', 'constraints = "constraints/nope.txt"',
      "key 'sessions.tests.constraints': expected an existing file"),
@@ -61,6 +61,14 @@ def test_malformed_manifest_names_file_key_and_expectation(tmp_path, old, new, m
     assert str(info.value).startswith("manifest.toml: ")
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_unpinned_checkpoint_needs_a_reason(tmp_path):
+    path = tmp_path / "manifest.toml"
+    path.write_text(_base().replace('revision = "c1899de289a04d12100db370d81485cdf75e47ca"', 'revision = "unpinned"'))
+    with pytest.raises(m.ManifestError, match=r"Qwen3-0.6B.revision': expected a 40-hex commit revision \(or 'unpinned' "
+                                              r"with an unpinned_reason\), got 'unpinned'"):
+        m.load(path)
 
 
 def test_invalid_toml_is_one_line(tmp_path):

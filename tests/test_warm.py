@@ -246,6 +246,19 @@ def test_gated_checkpoint_without_token_asks_for_one_without_network(case, hub, 
     assert "gated and no HF token is set" in line and "set HF_TOKEN and accept the licence" in line
 
 
+def test_unpinned_checkpoint_is_never_fetched(case, hub, capsys):
+    """Only pinned commits are fetched: even a reachable hub serving the repo is not asked."""
+    tmp, _ = case
+    manifest = write_manifest(tmp, {REPO_ID: {"revision": "unpinned", "unpinned_reason": "commit unknown",
+                                              "suites": ["cpu_e2e"]}})
+    assert run_here(tmp, manifest, None, "hub") == 75
+    assert hub.total_requests() == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"missing: {REPO_ID}"))
+    assert "no pinned revision in the manifest (commit unknown)" in line
+    assert run_here(tmp, manifest, None, "auto") == 0
+    assert statuses(summary(tmp))[REPO_ID] == "fixture"
+
+
 def test_cli_hub_mode_on_the_real_manifest_without_a_hub_exits_75(tmp_path):
     """The real entry point and manifest, as `nox -s warm_cache -- --model-source hub` runs
     it on a machine where the hub cannot be reached."""
