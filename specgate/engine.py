@@ -91,6 +91,21 @@ def compilation(llm: Any) -> dict[str, str]:
     return {"mode": getattr(mode, "name", str(mode)), "backend": str(backend)}
 
 
+def compile_counters() -> dict[str, int]:
+    """vLLM's process-wide compilation counters (vllm.compilation.counter); they see the
+    engine's compiles only when the engine core runs in this process."""
+    import dataclasses
+
+    counter = vllm_global("vllm.compilation.counter", "compilation_counter")
+    return {f.name: getattr(counter, f.name) for f in dataclasses.fields(counter)}
+
+
+def compiled_model(counters: dict[str, int]) -> bool:
+    """Whether the counters saw the model go through torch.compile (compiled now, or its
+    AOT-compiled artifact loaded from the compile cache)."""
+    return counters.get("num_aot_compiles", 0) + counters.get("num_aot_artifacts_loaded", 0) > 0
+
+
 def runner(llm: Any) -> str:
     """The model runner the engine picked: "v2" or "v1"."""
     return "v2" if engine_attr(llm, "vllm_config.use_v2_model_runner") else "v1"
@@ -200,9 +215,11 @@ def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str,
         from vllm.inputs import TokensPrompt
 
         result["import_s"] = round(time.monotonic() - started, 2)
+        before = compile_counters()
         started = time.monotonic()
         llm = LLM(**llm_kwargs)
         result["init_s"] = round(time.monotonic() - started, 2)
+        result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
         result["runner"], result["compilation"] = runner(llm), compilation(llm)
         inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
         started = time.monotonic()

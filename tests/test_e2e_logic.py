@@ -255,3 +255,10 @@ def test_hub_mode_without_the_checkpoints_exits_75_before_any_engine(tmp_path):
     missing = {entry["name"] for entry in summary["missing"]}
     assert {"Qwen/Qwen3-0.6B", "Qwen/Qwen3.5-0.8B"} <= missing
     assert "missing: Qwen/Qwen3-0.6B" in proc.stdout
+
+
+def test_compiled_model_reads_vllms_compile_counters():
+    assert not engine.compiled_model({})
+    assert not engine.compiled_model({"num_models_seen": 2})
+    assert engine.compiled_model({"num_aot_compiles": 1})
+    assert engine.compiled_model({"num_aot_artifacts_loaded": 1})   # compiled earlier, loaded from the cache

@@ -163,7 +163,8 @@ class Engines:
             data = done[run.key]
             error = engine.relay(data["error"]) if data["error"] else None
             self.recorder.write("engine", key=run.key, **e2e.run_identity(run), runner=data.get("runner"),
-                                compilation=data.get("compilation"), counters=data.get("counters"),
+                                compilation=data.get("compilation"), compile_counters=data.get("compile_counters"),
+                                counters=data.get("counters"),
                                 error=f"{type(error).__name__}: {error}".splitlines()[0] if error else None,
                                 **{k: data.get(k) for k in ("process", "import_s", "init_s", "generate_s", "shutdown_s")})
             self.results[run.key] = error if error is not None else Result(run, *inputs[run.key], data)

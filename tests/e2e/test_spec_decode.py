@@ -27,10 +27,15 @@ def _generate(engines, plan, run: e2e.Run, row: dict):
     else:
         row.setdefault("runner", result.runner)
     row["compilation"] = result.compilation
+    row.setdefault("engines", []).append(run.key)
     want = plan.settings.compile_backend
     assert result.compilation["mode"] != "NONE" and result.compilation["backend"] == want, (
         f"engine [{run.key}] ran with compilation {result.compilation}; the session requires torch.compile "
         f"with the {want} backend")
+    if plan.settings.in_process_engine:  # the counters live in the engine core's process
+        counters = result.data.get("compile_counters", {})
+        assert engine.compiled_model(counters), (
+            f"engine [{run.key}]: vLLM's compilation counters saw no torch.compile of the model ({counters})")
     return result
 
 
