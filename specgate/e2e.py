@@ -38,9 +38,9 @@ UPSTREAM_FILE = "tests/v1/e2e/test_cpu_spec_decode.py"
 DRAFT_MODEL_METHODS = ("eagle3", "dflash", "mtp")
 PYTEST_USAGE_ERROR = 4
 MISSING_CHECKPOINT = 75
-ROW_FIELDS = ("test", "method", "model_source", "target", "draft", "revision", "runner", "outcome", "skip_reason",
-              "drafts", "drafted_tokens", "accepted_tokens", "acceptance_len", "threshold", "matches_baseline",
-              "wall_s")
+ROW_FIELDS = ("test", "method", "model_source", "target", "draft", "revision", "runner", "outcome", "cause",
+              "skip_reason", "drafts", "drafted_tokens", "accepted_tokens", "acceptance_len", "threshold",
+              "matches_baseline", "wall_s")
 
 
 # --------------------------------------------------------------------------- settings
@@ -551,10 +551,26 @@ def merge_results(results: Sequence[pytestrun.TestResult], records: Sequence[dic
         row.update(by_test.get(result.nodeid, {}))
         row.update(test=result.nodeid, outcome=_outcome(result, row), wall_s=round(result.time_s, 2),
                    skip_reason=result.message if result.outcome == "skipped" else None)
+        row["cause"] = _cause(result, row["outcome"])
         if result.outcome in ("failed", "error"):
             row["message"] = result.message
         rows.append(row)
     return rows
+
+
+def _cause(result: pytestrun.TestResult, outcome: str) -> str | None:
+    """specgate.classify's label for a failure (failure, env-blocked, cache-miss, ...);
+    env-blocked or skip for a skip; known-defect for an xfail; None for a pass."""
+    from specgate import classify
+
+    if outcome == "passed":
+        return None
+    if outcome == "xfailed":
+        return "known-defect"
+    label, _ = classify.explain(result.text or result.message)
+    if outcome == "skipped":
+        return label if label == "env-blocked" else "skip"
+    return label
 
 
 def _outcome(result: pytestrun.TestResult, row: dict[str, Any]) -> str:

@@ -190,12 +190,15 @@ def test_merge_fills_rows_from_records(tmp_path):
     recorder.write("test", test="t.py::a", method="ngram", drafts=3, acceptance_len=2.0)
     recorder.write("engine", key="k", init_s=12.5, compilation={"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"})
     recorder.write("test", test="t.py::d", method="mtp", expected_failure="TypeError: known")
-    rows = e2e.merge_results([_result("t.py::a", "passed", time_s=3.216), _result("t.py::b", "skipped", "no triton"),
+    rows = e2e.merge_results([_result("t.py::a", "passed", time_s=3.216),
+                              _result("t.py::b", "skipped", "Model Runner V2 requires Triton; using the V1 model "
+                                                            "runner instead (the Triton CPU backend is missing)"),
                               _result("t.py::c", "error", "boom"), _result("t.py::d", "skipped", "known")],
                              recorder.read())
     assert [r["outcome"] for r in rows] == ["passed", "skipped", "failed", "xfailed"]
+    assert [r["cause"] for r in rows] == [None, "env-blocked", "failure", "known-defect"]
     assert rows[0]["drafts"] == 3 and rows[0]["wall_s"] == 3.22 and rows[0]["skip_reason"] is None
-    assert rows[1]["skip_reason"] == "no triton" and rows[1]["method"] is None
+    assert rows[1]["skip_reason"].startswith("Model Runner V2 requires Triton") and rows[1]["method"] is None
     assert rows[2]["message"] == "boom"
     assert set(e2e.ROW_FIELDS) <= set(rows[1])
     engines = e2e.engine_rows(recorder.read())
