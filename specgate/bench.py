@@ -232,6 +232,13 @@ def nox(*args: str) -> list[str]:
     return [sys.executable, str(NOXW), *args]
 
 
+def prepare(runner: Runner, session: str) -> Sample:
+    """Create and fill the session's venv untimed: a normal session run whose module only
+    prints its help (nox's --install-only would skip the torch-companion clean-up, which
+    runs through session.run)."""
+    return runner.run(f"{session}-prepare", nox("-s", session, "--", "--help"), env=shell_env())
+
+
 def nox_version() -> str | None:
     proc = subprocess.run(nox("--version"), cwd=REPO_ROOT, env=shell_env(), capture_output=True, text=True)
     text = (proc.stdout + proc.stderr).strip().splitlines()
@@ -290,7 +297,7 @@ PYTEST_RAN = (0, 1)
 
 def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]:
     name = "cpu_unit_overhead_ratio"
-    prep = runner.run("unit-install", nox("--install-only", "-s", "cpu_unit"), env=shell_env())
+    prep = prepare(runner, "cpu_unit")
     if prep.problem:
         return [Figure.missing(name, "x", prep.problem)]
     plan: dict[str, Any] = {}
@@ -323,14 +330,15 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
 def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path, seen: Mapping[str, str | None]) -> dict[str, Any]:
     """What one would run by hand instead of the session: the venv's pytest on the files the
     session ran, in the upstream tree, with the session's pins, the same per-test timeout,
-    and nothing else. `seen` is the environment the session's pytest reported (envcheck's
+    and --continue-on-collection-errors (without it pytest stops before any test when one
+    file fails to import, and runs nothing the session ran). `seen` is the environment the session's pytest reported (envcheck's
     pytest-env.json): the compile-cache variables are taken from it, so the bare run uses
     the compile cache exactly when the session does."""
     compile_vars = {k: seen.get(k) for k in compilecache.ENV_NAMES}
     env = apply(shell_env(), {**envpin.session_env(manifest, "cpu_unit"), **compile_vars})
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
-    command = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
+    command = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
                f"--timeout={manifest.unit.timeout_s}", *summary["files_run"]]
     return {"command": command, "env": env, "cwd": summary["upstream"]["root"]}
 
@@ -405,20 +413,24 @@ def timed_steps(runner: Runner, name: str, env: Mapping[str, str], commands: lis
 
 def e2e_cache(runner: Runner) -> tuple[list[Figure], list[dict]]:
     """Cold then warm fixture-mode cpu_e2e on a compile cache that starts empty.
+    Only a passing run whose engines started is timed: a failing run skips work.
     Also returns the runs' summaries (for engine_start)."""
-    prep = runner.run("e2e-install", nox("--install-only", "-s", "cpu_e2e"), env=shell_env())
+    prep = prepare(runner, "cpu_e2e")
     if prep.problem:
         return [Figure.missing(n, "s", prep.problem) for n in ("e2e_cold_s", "e2e_warm_s")], []
     summaries, figures = [], []
     with tempfile.TemporaryDirectory(prefix="specgate-bench-compile-") as tmp:
         env = {**shell_env(), compilecache.ROOT_VAR: tmp}
         for label in ("cold", "warm"):
-            sample, summary = runner.session(f"e2e-{label}", "cpu_e2e", ["-R", *E2E_ARGS], env=env, ok_codes=(0, 1))
+            sample, summary = runner.session(f"e2e-{label}", "cpu_e2e", ["-R", *E2E_ARGS], env=env, ok_codes=(0,))
             detail = {"command": "nox -R " + shlex.join(E2E_ARGS), "exit_code": sample.exit_code,
                       "compile_cache": "empty at start" if label == "cold" else "filled by the cold run"}
             if summary is not None:
                 summaries.append({"run": label, **summary})
-                detail["counts"] = summary.get("counts")
+                detail |= {"counts": summary.get("counts"), "engines": len(summary.get("engines") or []),
+                           "session_wall_s": summary.get("wall_s")}
+                if not sample.problem and not engine_starts(summary):
+                    sample.problem = f"e2e-{label}: no engine started (log: artifacts/{sample.log})"
             figures.append(timed_figure(f"e2e_{label}_s", [sample], **detail))
     figures.append(ratio_figure("e2e_warm_cold_ratio", figures[1], figures[0]))
     return figures, summaries
@@ -433,7 +445,7 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
     name = "engine_start_s"
     if not summaries:
         sample, summary = runner.session("e2e-engine-start", "cpu_e2e", ["-R", *E2E_ARGS], env=shell_env(),
-                                         ok_codes=(0, 1))
+                                         ok_codes=(0,))
         if summary is None:
             return [Figure.missing(name, "s", sample.problem or "cpu_e2e wrote no summary")]
         summaries = [{"run": "own", **summary}]

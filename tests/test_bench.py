@@ -209,6 +209,7 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
     assert plan["command"][:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "pytest"]
     assert plan["command"][-1] == "tests/v1/spec_decode/test_ngram.py"
     assert f"--timeout={manifest.unit.timeout_s}" in plan["command"]
+    assert "--continue-on-collection-errors" in plan["command"]  # as the session: one bad file stops nothing
     env = plan["env"]
     for name, value in manifest.session("cpu_unit").env.items():
         assert env[name] == value
