@@ -63,7 +63,7 @@ def test_selection_covers_each_config_as_the_brief_asks():
                 assert config.raw["known_answer"]["exact_drafts"] and config.method in e2e.DRAFT_MODEL_METHODS
     v1 = {by_id[i].method for i in e2e.select(configs, "v1_matches_baseline")}
     v2 = {by_id[i].method for i in e2e.select(configs, "v2_smoke")}
-    assert {"dflash", "mtp"} <= v1 and {"dflash", "mtp"} <= v2
+    assert v1 == v2 == {"eagle3", "dflash", "mtp"}
     assert e2e.select(configs, "known_defect") and e2e.select(configs, "ngram")
     assert set(e2e.select(configs, "per_position")) <= set(e2e.select(configs, "known_answer"))
 
