@@ -45,6 +45,31 @@ def write_summary(session: str, summary: dict[str, Any]) -> Path:
     return path
 
 
+def write_junit(session: str, cases: list[tuple[str, str | None, float]]) -> Path:
+    """JUnit XML for a session that runs no pytest: one case per (name, failure message or
+    None, seconds), so CI shows its checks beside the test sessions' (junitparser writes it)."""
+    from junitparser import Failure, JUnitXml, TestCase, TestSuite
+
+    suite = TestSuite(session)
+    for name, failure, seconds in cases:
+        case = TestCase(name, classname=session, time=seconds)
+        if failure:
+            case.result = [Failure(redact(failure))]
+        suite.add_testcase(case)
+    xml = JUnitXml()
+    xml.add_testsuite(suite)
+    path = artifacts_dir(session) / "junit.xml"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".junit.", suffix=".tmp")
+    os.close(fd)
+    try:
+        xml.write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def format_rows(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain fixed-width table for the terminal."""
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]

@@ -256,6 +256,9 @@ def report(manifest: Manifest, mode: str, suites: list[str] | None, rows: list[R
         "exit_code": code,
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
+    artifacts.write_junit(SESSION, [
+        (f"{r.source.repo_id}@{r.source.revision[:12]}", r.source.reason if r.source.status == "missing" else None,
+         r.seconds) for r in rows])
     print(f"summary: {path}", flush=True)
 
 

@@ -54,3 +54,14 @@ a.write_json(__import__('pathlib').Path({str(target)!r}), {{"generation": 2, "pa
 def test_format_rows_aligns_columns():
     text = artifacts.format_rows(["a", "bb"], [[1, None], ["long", 2]])
     assert text.splitlines() == ["a     bb", "----  --", "1", "long  2"]
+
+
+def test_junit_for_a_session_without_pytest(tmp_path, monkeypatch):
+    from specgate import pytestrun
+
+    monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
+    path = artifacts.write_junit("warm_cache", [("a/b@123", None, 0.5), ("c/d@456", "hub unreachable", 1.0)])
+    results = {r.nodeid.split("::")[-1]: r for r in pytestrun.read_junit(path)}
+    assert results["a/b@123"].outcome == "passed"
+    assert results["c/d@456"].outcome == "failed" and results["c/d@456"].message == "hub unreachable"
+    assert [p.name for p in path.parent.iterdir()] == ["junit.xml"]

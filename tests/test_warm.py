@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hubserver import ConnectionGuard, HubServer, Repo, closed_endpoint, hf_env, write_manifest
 
-from specgate import fixtures, sources, warm
+from specgate import fixtures, pytestrun, sources, warm
 from specgate.manifest import REPO_ROOT, load
 
 REPO_ID = "acme/tiny-model"
@@ -188,6 +188,8 @@ def test_hub_mode_with_unreachable_hub_exits_75_quickly(case, monkeypatch, capsy
     data = summary(tmp)
     assert SUMMARY_KEYS <= set(data) and data["exit_code"] == 75 and data["model_mode"] == "hub"
     assert set(statuses(data).values()) == {"missing"}
+    junit = pytestrun.read_junit(tmp / "artifacts" / "warm_cache" / "junit.xml")
+    assert len(junit) == 2 and all(r.outcome == "failed" and "hub unreachable" in r.message for r in junit)
 
 
 def test_auto_mode_falls_back_to_fixtures_and_exits_0(case, monkeypatch, capsys):
