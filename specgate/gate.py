@@ -224,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "exit_code": code,
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
+    artifacts.write_junit(SESSION, [(f"{v.step} may drop soft_fail", "; ".join(v.blockers()) or None, 0.0)
+                                    for v in verdicts])
     print(f"== gate: summary written to {path} -> exit {code} ==")
     return code
 

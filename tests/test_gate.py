@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specgate import gate
+from specgate import gate, pytestrun
 
 REPO = Path(__file__).resolve().parent.parent
 START = datetime(2026, 11, 1, 6, 0, tzinfo=timezone.utc)
@@ -97,6 +97,9 @@ def test_a_recent_failure_blocks(tmp_path, capsys, artifacts_root):
     assert "has exit 1, 1 test(s) with cause failure" in out
     assert "cpu_e2e: may drop soft_fail" in out  # steps are judged on their own
     assert written(artifacts_root)["steps"][0]["graduates"] is False
+    junit = {r.nodeid.split("::")[-1]: r for r in pytestrun.read_junit(artifacts_root / "gate" / "junit.xml")}
+    assert junit["cpu_unit may drop soft_fail"].outcome == "failed"
+    assert junit["cpu_e2e may drop soft_fail"].outcome == "passed"
 
 
 def test_a_failure_cause_blocks_even_with_exit_0(tmp_path, capsys):
