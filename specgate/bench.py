@@ -334,6 +334,8 @@ def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path, seen: Mappin
     file fails to import, and runs nothing the session ran). `seen` is the environment the session's pytest reported (envcheck's
     pytest-env.json): the compile-cache variables are taken from it, so the bare run uses
     the compile cache exactly when the session does."""
+    # (When the session sets none, TORCHINDUCTOR_CACHE_DIR still shows: torch writes its default
+    # into the environment at import, so the bare run gets that same default explicitly.)
     compile_vars = {k: seen.get(k) for k in compilecache.ENV_NAMES}
     env = apply(shell_env(), {**envpin.session_env(manifest, "cpu_unit"), **compile_vars})
     env["VIRTUAL_ENV"] = str(venv)
@@ -462,8 +464,10 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
 
 # --------------------------------------------------------------------------- report
 
-def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, command: str,
-                 machine: dict, version_info: dict, load: dict[str, dict[str, dict]]) -> dict[str, Any]:
+def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, command: str, machine: dict,
+                 version_info: dict, load: dict[str, dict[str, dict]], env: Mapping[str, str | None]) -> dict[str, Any]:
+    """Everything bench.json holds; `env` is the bench's effective environment (secrets masked),
+    which the sessions it runs inherit apart from their own pins."""
     by_name = {f.name: f for f in figures}
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -474,6 +478,7 @@ def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, c
         "machine": machine,
         "versions": version_info,
         "load": load,
+        "env": env,
         "figures": {f.name: {k: v for k, v in asdict(f).items() if k != "name"} for f in figures},
         "goals": [goal.verdict(by_name) for goal in GOALS],
     }
@@ -493,7 +498,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Command: `{report['command']}`  ",
         f"Machine: {m['cpu_model']}, {m['usable_cores']}/{m['cores']} cores, {m['memory_gib']} GiB, "
         f"{m['arch']}, Linux {m['kernel']}  ",
-        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + "  ",
+        "Environment (besides each session's pins): " + ", ".join(
+            f"{k}={val}" for k, val in report["env"].items() if val is not None and k.startswith(("VLLM_", "TORCH"))),
         "",
         "| figure | value | samples | note |",
         "|---|---|---|---|",
@@ -572,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load[figure]["end"] = load_snapshot()
     command = "nox -s bench" + (" -- " + shlex.join(argv) if argv else "")
     report = build_report(figures, selected=selected, args=args, command=command, machine=machine_info(),
-                          version_info=version_info, load=load)
+                          version_info=version_info, load=load, env=envpin.session_report(manifest, SESSION))
     print(write_report(report, out), flush=True)
     print(f"bench: {out / 'bench.json'}, {out / 'bench.md'}")
     unmeasured = [f.name for f in figures if f.value is None and not f.detail.get("skipped")]

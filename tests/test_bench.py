@@ -90,7 +90,8 @@ def _report(figures):
                               machine=machine, version_info={"vllm": "0.32.0", "torch": "2.13.0+cpu", "python": "3.11.7",
                                                              "nox": "2026.10.20", "uv": "0.13.9"},
                               load={"warm_noop": {"start": {"loadavg_1m": 0.5, "other_torch_processes": 0},
-                                                  "end": {"loadavg_1m": 1.5, "other_torch_processes": 2}}})
+                                                  "end": {"loadavg_1m": 1.5, "other_torch_processes": 2}}},
+                              env={"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_CI_ENV": None, "HF_TOKEN": "***"})
 
 
 def test_report_json_and_markdown(tmp_path):
@@ -118,6 +119,8 @@ def test_report_json_and_markdown(tmp_path):
     assert "not met" in text and "not measured (not selected (--only))" in text
     assert "Command: `nox -s bench -- --skip-pip`" in text and "vllm 0.32.0" in text
     assert "- warm_noop: start 0.5, 0; end 1.5, 2" in text
+    assert "Environment (besides each session's pins): VLLM_USE_AOT_COMPILE=0\n" in text
+    assert data["env"] == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_CI_ENV": None, "HF_TOKEN": "***"}
 
 
 def test_report_scrubs_secrets(tmp_path, monkeypatch):
@@ -204,6 +207,7 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
     manifest = load()
     summary = {"files_run": ["tests/v1/spec_decode/test_ngram.py"], "upstream": {"root": "/cache/upstream/vllm-0.32.0"}}
     seen = {"VLLM_CACHE_ROOT": "/c/compile/k/vllm", "TORCHINDUCTOR_CACHE_DIR": "/c/compile/k/inductor"}
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
     plan = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv", seen)
     assert plan["cwd"] == "/cache/upstream/vllm-0.32.0"
     assert plan["command"][:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "pytest"]
@@ -215,9 +219,10 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
         assert env[name] == value
     assert env["VIRTUAL_ENV"] == str(tmp_path / "venv") and env["PATH"].startswith(str(tmp_path / "venv" / "bin"))
     assert (env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"]) == ("/c/compile/k/vllm", "/c/compile/k/inductor")
-    # a session whose pytest had no compile-cache variables: neither has the bare run
-    bare = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv", {})["env"]
-    assert "VLLM_CACHE_ROOT" not in bare and "TORCHINDUCTOR_CACHE_DIR" not in bare
+    # a session that set no compile cache (torch wrote its own default at import): the bare run the same
+    bare = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv",
+                                  {"VLLM_CACHE_ROOT": None, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"})["env"]
+    assert "VLLM_CACHE_ROOT" not in bare and bare["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/torchinductor_root"
 
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--runs", "0"], ["--only", "nothing"], ["--", "-k", "x"]])
