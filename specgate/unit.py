@@ -9,8 +9,8 @@
 Declared offline stand-ins ([[unit.redirects]] in the manifest) are applied through
 vLLM's own VLLM_MODEL_REDIRECT_PATH, only to the tests they name, and only when
 specgate.sources resolves the checkpoint to its fixture (not cached at its pinned
-revision, or --model-source fixture). Those tests run in their own pytest process
-so the redirect reaches no other test.
+revision, or --model-source fixture). The specgate.redirect plugin sets the variable
+around those tests only, so the redirect reaches no other test.
 
 Exit codes: 0 all passed, or skipped/blocked for a reason the summary names and
 something declares (the test's own skip, or the venv's torch probe record);
@@ -32,6 +32,7 @@ from pathlib import Path
 from junitparser import JUnitXml
 
 from specgate import artifacts, classify, cli, envpin, fixtures, pytestrun, sources, torchprobe, upstream
+from specgate.redirect import MAP_VAR as REDIRECTS_MAP_VAR
 from specgate.manifest import Manifest, Redirect
 from specgate.pytestrun import TestResult
 
@@ -175,22 +176,24 @@ class Group:
     name: str
     targets: list[str]
     env: dict[str, str | None]
-    redirect: dict[str, str] | None = None
-    deselect: list[str] = field(default_factory=list)
+    redirect: dict[str, dict[str, str]] | None = None   # test id -> {checkpoint: fixture folder}
 
 
 def groups_for(files: list[str], mapping: dict[str, dict[str, str]], out: Path) -> list[Group]:
-    """The main group (no redirect, ever) and one group per distinct redirect mapping."""
-    groups = [Group("main", files, {REDIRECT_VAR: None}, deselect=sorted(mapping))]
-    by_mapping: dict[str, list[str]] = {}
-    for test, checkpoints in mapping.items():
-        by_mapping.setdefault(json.dumps(checkpoints, sort_keys=True), []).append(test)
-    for index, (key, tests) in enumerate(sorted(by_mapping.items()), start=1):
-        path = out / f"model-redirect-{index}.json"
-        checkpoints = json.loads(key)
-        artifacts.write_atomic(path, redirect_file_text(checkpoints))
-        groups.append(Group(f"redirect-{index}", sorted(tests), {REDIRECT_VAR: str(path)}, checkpoints))
-    return groups
+    """One pytest process; declared tests get their redirect file through specgate.redirect."""
+    if not mapping:
+        return [Group("main", files, {REDIRECT_VAR: None})]
+    files_by_mapping: dict[str, Path] = {}
+    per_test = {}
+    for test, checkpoints in sorted(mapping.items()):
+        key = json.dumps(checkpoints, sort_keys=True)
+        if key not in files_by_mapping:
+            files_by_mapping[key] = out / f"model-redirect-{len(files_by_mapping) + 1}.json"
+            artifacts.write_atomic(files_by_mapping[key], redirect_file_text(checkpoints))
+        per_test[test] = str(files_by_mapping[key])
+    plan = out / "redirects.json"
+    artifacts.write_json(plan, per_test)
+    return [Group("main", files, {REDIRECT_VAR: None, REDIRECTS_MAP_VAR: str(plan)}, mapping)]
 
 
 def pytest_args(timeout_s: int, exitfirst: bool, extra: list[str]) -> list[str]:
@@ -221,10 +224,10 @@ def run_group(group: Group, attempt: int, *, root: Path, base_env: dict[str, str
     stem = f"attempt{attempt}-{group.name}"
     junit, log = out / f"junit-{stem}.xml", out / f"pytest-{stem}.log"
     junit.unlink(missing_ok=True)
-    deselect = [a for test in group.deselect for a in ("--deselect", test)]
+    plugin = ["-p", "specgate.redirect"] if group.redirect else []
     env = pytestrun.child_env({**base_env, **group.env})
     started = time.monotonic()
-    code = pytestrun.run_pytest([*args, *deselect, *group.targets], junit, cwd=root, env=env, log=log)
+    code = pytestrun.run_pytest([*plugin, *args, *group.targets], junit, cwd=root, env=env, log=log)
     wall = time.monotonic() - started
     results = pytestrun.read_junit(junit) if junit.is_file() else []
     if code not in (0, 1):
@@ -239,7 +242,7 @@ def run_group(group: Group, attempt: int, *, root: Path, base_env: dict[str, str
 def explained(run: Run, degraded: list[dict]) -> list[Outcome]:
     outcomes = []
     for result in run.results:
-        outcome = Outcome(result, run.attempt, run.group.name, redirect=run.group.redirect)
+        outcome = Outcome(result, run.attempt, run.group.name, redirect=(run.group.redirect or {}).get(result.nodeid))
         outcome.cause, outcome.reason, outcome.declared_by = explain(result, degraded, run.offline)
         outcomes.append(outcome)
     return outcomes
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse(build_parser(), argv)
     manifest = cli.start(SESSION)
     out = artifacts.artifacts_dir(SESSION)
-    for stale in (*out.glob("junit-attempt*.xml"), *out.glob("pytest-attempt*.log"), *out.glob("model-redirect-*.json")):
+    for stale in (*out.glob("junit-attempt*.xml"), *out.glob("pytest-attempt*.log"), *out.glob("model-redirect-*.json"),
+                  *out.glob("redirects.json")):
         stale.unlink()  # a previous run's attempts must not pass for this run's
     base_env: dict[str, str | None] = {**envpin.session_env(manifest, SESSION), "SPECGATE_SESSION": SESSION}
     summary: dict = {"vllm_version": None, "upstream": None, "files": [], "files_run": [], "files_source": None,
