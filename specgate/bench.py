@@ -329,11 +329,11 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
 
 def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path, seen: Mapping[str, str | None]) -> dict[str, Any]:
     """What one would run by hand instead of the session: the venv's pytest on the files the
-    session ran, in the upstream tree, with the session's pins, the same per-test timeout,
-    and --continue-on-collection-errors (without it pytest stops before any test when one
-    file fails to import, and runs nothing the session ran). `seen` is the environment the session's pytest reported (envcheck's
-    pytest-env.json): the compile-cache variables are taken from it, so the bare run uses
-    the compile cache exactly when the session does."""
+    session ran, in the upstream tree, with the session's pins, the same per-test timeout and
+    --continue-on-collection-errors (without it one file that fails to import stops pytest
+    before any test). `seen` is the environment the session's pytest reported (envcheck's
+    pytest-env.json): the compile-cache variables come from it, so the bare run uses the
+    compile cache exactly when the session does."""
     # (When the session sets none, TORCHINDUCTOR_CACHE_DIR still shows: torch writes its default
     # into the environment at import, so the bare run gets that same default explicitly.)
     compile_vars = {k: seen.get(k) for k in compilecache.ENV_NAMES}
