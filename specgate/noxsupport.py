@@ -52,6 +52,9 @@ def install(session: nox.Session, manifest: Manifest) -> None:
         session.log(f"constraints unchanged ({constraints.name}); skipping install")
         return
     env = envpin.installer_env()
+    if session.run_install("python", "-c", "pass", silent=True) is None:
+        session.log("nox skips installs here (-R / --no-install): the venv is left as it is, unstamped")
+        return
     session.install("-r", str(constraints), env=env)
     session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
     fix_torch_companions(session, env)
@@ -63,9 +66,9 @@ def _uninstall(session: nox.Session, packages: list[str]) -> None:
         from nox.virtualenv import find_uv
 
         _, uv, _ = find_uv()
-        session.run(uv, "pip", "uninstall", "--python", _venv_python(session), *packages, external=True)
+        session.run_install(uv, "pip", "uninstall", "--python", _venv_python(session), *packages, external=True)
     else:
-        session.run("python", "-m", "pip", "uninstall", "-y", *packages)
+        session.run_install("python", "-m", "pip", "uninstall", "-y", *packages)
 
 
 def _venv_python(session: nox.Session) -> str:
