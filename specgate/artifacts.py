@@ -47,26 +47,19 @@ def write_summary(session: str, summary: dict[str, Any]) -> Path:
 
 def write_junit(session: str, cases: list[tuple[str, str | None, float]]) -> Path:
     """JUnit XML for a session that runs no pytest: one case per (name, failure message or
-    None, seconds), so CI shows its checks beside the test sessions' (junitparser writes it)."""
+    None, seconds), so CI shows its checks beside the test sessions' (junitparser builds it)."""
     from junitparser import Failure, JUnitXml, TestCase, TestSuite
 
     suite = TestSuite(session)
     for name, failure, seconds in cases:
         case = TestCase(name, classname=session, time=seconds)
         if failure:
-            case.result = [Failure(redact(failure))]
+            case.result = [Failure(failure)]
         suite.add_testcase(case)
     xml = JUnitXml()
     xml.add_testsuite(suite)
     path = artifacts_dir(session) / "junit.xml"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".junit.", suffix=".tmp")
-    os.close(fd)
-    try:
-        xml.write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, '<?xml version="1.0" encoding="utf-8"?>\n' + xml.tostring().decode())
     return path
 
 
