@@ -1,4 +1,4 @@
-"""Environment pinning, installer pass-through and secret masking.
+"""Environment pinning and installer pass-through (secret masking: specgate.secrets).
 
 Stdlib only: the noxfile uses it before any venv exists.
 """
@@ -6,13 +6,12 @@ Stdlib only: the noxfile uses it before any venv exists.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 
 from specgate.manifest import Manifest
+from specgate.secrets import credential_named, masked_env
 
-SECRET_NAME_RE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
-MASK = "***"
+ONLINE_VAR = "SPECGATE_ONLINE"  # "1": a rerun by scripts/run-cpu-test.sh, online by the manifest's [online.env]
 # pip reads these, uv does not: each PIP_ name maps to the uv name it means.
 PIP_TO_UV = {
     "PIP_FIND_LINKS": "UV_FIND_LINKS",
@@ -23,17 +22,20 @@ PIP_TO_UV = {
 SHOWN_PREFIXES = ("VLLM_", "HF_", "HUGGINGFACE", "OMP_", "MKL_", "TORCH", "UV_", "PIP_", "SPECGATE_")
 
 
-def session_env(manifest: Manifest, session: str) -> dict[str, str | None]:
+def session_env(manifest: Manifest, session: str, environ: Mapping[str, str] = os.environ) -> dict[str, str | None]:
     """The variables a session pins: its own values, and None (removal) for every
-    variable another session pins, so no phase inherits another's settings."""
+    variable another session pins, so no phase inherits another's settings. In the
+    online phase (SPECGATE_ONLINE=1 in environ) the manifest's [online.env] applies on top."""
     pinned: dict[str, str | None] = {name: None for name in manifest.managed_env_names()}
     pinned.update(manifest.session(session).env)
+    if environ.get(ONLINE_VAR) == "1":
+        pinned.update(online_env(manifest))
     return pinned
 
 
 def online_env(manifest: Manifest) -> dict[str, str]:
-    """The online retry phase: the manifest's [online.env], declared to the envcheck plugin."""
-    return {**manifest.online_env, "SPECGATE_PHASE_OVERRIDES": ",".join(sorted(manifest.online_env))}
+    """The online phase: the manifest's [online.env], marked so every child process knows the phase."""
+    return {**manifest.online_env, ONLINE_VAR: "1"}
 
 
 def installer_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -47,36 +49,17 @@ def installer_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     }
 
 
-def is_secret(name: str) -> bool:
-    return bool(SECRET_NAME_RE.search(name))
-
-
-def masked(env: Mapping[str, str | None]) -> dict[str, str | None]:
-    return {k: (MASK if v and is_secret(k) else v) for k, v in env.items()}
-
-
-def secret_values(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """Values of secret-named variables, longest first, worth scrubbing from text."""
-    return sorted({v for k, v in environ.items() if is_secret(k) and len(v) >= 4}, key=len, reverse=True)
-
-
-def redact(text: str, environ: Mapping[str, str] = os.environ) -> str:
-    for value in secret_values(environ):
-        text = text.replace(value, MASK)
-    return text
-
-
 def effective_env(environ: Mapping[str, str] = os.environ, pinned: Mapping[str, str | None] = {}) -> dict[str, str | None]:
     """The variables worth showing: every pinned one (None = removed) and any
     relevant one inherited from outside."""
     shown = {k: environ.get(k) for k in pinned}
-    shown.update({k: v for k, v in environ.items() if k.startswith(SHOWN_PREFIXES) or is_secret(k)})
-    return dict(sorted(masked(shown).items()))
+    shown.update({k: v for k, v in environ.items() if k.startswith(SHOWN_PREFIXES) or credential_named(k)})
+    return dict(sorted(masked_env(shown).items()))
 
 
 def session_report(manifest: Manifest, session: str, environ: Mapping[str, str] = os.environ) -> dict[str, str | None]:
     """The masked effective environment of a session, for banners and summaries."""
-    return effective_env(environ, session_env(manifest, session))
+    return effective_env(environ, session_env(manifest, session, environ))
 
 
 def format_table(env: Mapping[str, str | None], title: str = "effective environment") -> str:
@@ -88,7 +71,7 @@ def format_table(env: Mapping[str, str | None], title: str = "effective environm
 def mismatches(manifest: Manifest, session: str, observed: Mapping[str, str]) -> list[str]:
     """Lines describing where an observed environment departs from the manifest."""
     problems = []
-    for name, want in session_env(manifest, session).items():
+    for name, want in session_env(manifest, session, observed).items():
         got = observed.get(name)
         if got != want:
             problems.append(f"{name}: manifest says {want if want is not None else '(unset)'}, "
