@@ -1,4 +1,12 @@
-"""Sessions that gate vLLM speculative decoding on CPU. Logic lives in specgate/."""
+# /// script
+# dependencies = ["nox>=2025.2.9", "uv"]
+# ///
+"""Sessions that gate vLLM speculative decoding on CPU. Logic lives in specgate/.
+
+Every session records its result in artifacts/<session>/summary.json and ends with
+its own exit code (0 pass, 1 failure, 2 bad input, 75 incomplete); a nox call that
+runs several ends with the most severe of them (specgate.noxsupport).
+"""
 
 from __future__ import annotations
 
@@ -58,3 +66,7 @@ def bench(session: nox.Session) -> None:
 def lock(session: nox.Session) -> None:
     """Regenerate constraints/*.txt from constraints/*.in with uv pip compile."""
     lock_constraints(session)
+
+
+if __name__ == "__main__":
+    nox.main()

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specgate.envpin import redact
+from specgate.secrets import redact, redact_data
 from specgate.manifest import REPO_ROOT
 
 
@@ -19,14 +19,14 @@ def artifacts_dir(session: str) -> Path:
     return path
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, *, scrub: bool = True) -> None:
     """Write via a temporary file in the same folder and rename: readers see the old
     file or the new one, never half of one. Secret values are scrubbed on the way."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(redact(text))
+            handle.write(redact(text) if scrub else text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -36,13 +36,28 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    """Secrets are scrubbed from the data's strings, so masking never breaks the JSON."""
+    clean = redact_data(json.loads(json.dumps(data, default=str)))
+    write_atomic(path, json.dumps(clean, indent=2, sort_keys=False) + "\n", scrub=False)
 
 
-def write_summary(session: str, summary: dict[str, Any]) -> Path:
-    path = artifacts_dir(session) / "summary.json"
-    write_json(path, {"session": session, **summary})
-    return path
+def scrub_tree(folder: Path) -> list[Path]:
+    """Mask secrets in every file under folder that a writer outside this module produced
+    (pytest's own JUnit XML, a child's log); returns the files it rewrote."""
+    files = [Path(top, name) for top, _, names in os.walk(folder) for name in names]  # symlinks not followed
+    return [path for path in sorted(files) if not path.is_symlink() and scrub_file(path)]
+
+
+def scrub_file(path: Path) -> bool:
+    """Rewrite one text file with its secrets masked; True if it held any."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if redact(text) == text:
+        return False
+    write_atomic(path, text)
+    return True
 
 
 def write_junit(session: str, cases: list[tuple[str, str | None, float]]) -> Path:

@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, cli, compilecache, envpin
+from specgate import artifacts, cli, compilecache, envpin, exitcodes, lifecycle, summary
 from specgate.manifest import REPO_ROOT, Manifest
 
 SESSION = "bench"
@@ -280,11 +280,13 @@ class Runner:
 
 
 def read_fresh_summary(session: str, since: float) -> dict | None:
-    """The session's summary.json, if written at or after `since` (so it describes that run)."""
-    path = artifacts.artifacts_dir(session) / "summary.json"
-    if path.is_file() and path.stat().st_mtime >= since - 1:
-        return json.loads(path.read_text(encoding="utf-8"))
-    return None
+    """The session's final summary.json, if that run started at or after `since` (so it
+    describes that run; its started_at has whole seconds)."""
+    data = summary.read(session)
+    if not data or data.get("status") not in summary.FINAL:
+        return None
+    started = datetime.fromisoformat(data["started_at"]).timestamp()
+    return data if started >= int(since) else None
 
 
 # --------------------------------------------------------------------------- the figures
@@ -531,7 +533,8 @@ def write_report(report: dict[str, Any], out: Path) -> str:
 # --------------------------------------------------------------------------- the session
 
 def build_parser():
-    p = cli.parser(SESSION, "Measure the harness's overhead, cache no-op, env setup and compile-cache speed-ups.")
+    p = cli.parser(SESSION, "Measure the harness's overhead, cache no-op, env setup and compile-cache speed-ups.",
+                   pytest=False)
     p.add_argument("--runs", type=int, default=3, help="timed runs per side for the medians (default 3)")
     p.add_argument("--skip-pip", action="store_true", help="do not time the pip venv (it is recorded as skipped)")
     p.add_argument("--only", nargs="+", choices=FIGURES, metavar="FIGURE", default=None,
@@ -539,20 +542,10 @@ def build_parser():
     return p
 
 
-def parse_args(argv: Sequence[str] | None) -> Any:
-    p = build_parser()
-    args = cli.parse(p, argv)
-    if args.pytest_args:
-        p.error("bench runs no pytest of its own; nothing goes after '--'")
+def step(ctx: lifecycle.Context) -> int:
+    args, manifest = ctx.args, ctx.manifest
     if args.runs < 1:
-        p.error(f"--runs {args.runs}: need at least 1")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    manifest = cli.start(SESSION)
+        raise cli.BadInput(f"--runs {args.runs}: need at least 1")
     selected = [f for f in FIGURES if args.only is None or f in args.only]
     out = artifacts.artifacts_dir(SESSION)
     runner = Runner(out)
@@ -577,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif figure == "engine_start":
             figures += engine_start(runner, e2e_summaries)
         load[figure]["end"] = load_snapshot()
+    argv = sys.argv[1:]
     command = "nox -s bench" + (" -- " + shlex.join(argv) if argv else "")
     report = build_report(figures, selected=selected, args=args, command=command, machine=machine_info(),
                           version_info=version_info, load=load, env=envpin.session_report(manifest, SESSION))
@@ -585,8 +579,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     unmeasured = [f.name for f in figures if f.value is None and not f.detail.get("skipped")]
     if unmeasured:
         print(f"not measured: {', '.join(unmeasured)}")
-    return 1 if unmeasured else 0
+    ctx.record["tests"] = [{"nodeid": f"bench::{f.name}", "time_s": None,
+                            **({"outcome": "skipped", "cause": "skip", "reason": f.reason or "skipped"}
+                               if f.detail.get("skipped") else
+                               {"outcome": "failed", "cause": "failure", "reason": f.reason} if f.value is None else
+                               {"outcome": "passed", "cause": None, "reason": None})} for f in figures]
+    return exitcodes.FAILURE if unmeasured else exitcodes.OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifecycle.main(SESSION, build_parser(), step)

@@ -1,13 +1,16 @@
 """Options every session module shares, and the start-of-session banner.
 
-Session arguments come from `nox -s NAME -- [options] [-- pytest args]`.
-Unknown options exit 2 with a usage line (argparse's own behaviour).
+Session arguments come from `nox -s NAME -- [args]`, as nox users expect: the
+session's own options are recognised by name and everything else goes to pytest
+(`nox -s tests -- -k classify`); after an explicit `--` everything goes to pytest.
+A session that runs no pytest rejects what it does not know: one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -23,8 +26,20 @@ class BadInput(Exception):
     """User input the session cannot act on; the message is the one line shown."""
 
 
-def parser(prog: str, description: str, *, shards: bool = False, model_source: bool = False) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"nox -s {prog} --", description=description)
+class Parser(argparse.ArgumentParser):
+    """argparse that raises BadInput (one line, exit 2 by the session lifecycle) instead of exiting."""
+
+    def __init__(self, *args, takes_pytest_args: bool = True, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.takes_pytest_args = takes_pytest_args
+
+    def error(self, message: str):
+        raise BadInput(f"{self.prog} {message}")
+
+
+def parser(prog: str, description: str, *, shards: bool = False, model_source: bool = False,
+           pytest: bool = True) -> Parser:
+    p = Parser(prog=f"nox -s {prog} --", description=description, takes_pytest_args=pytest)
     if model_source:
         p.add_argument("--model-source", choices=MODEL_SOURCES, default=None,
                        help=f"auto (cached hub checkpoint, else fixture), hub, or fixture; default ${MODEL_SOURCE_VAR} or auto")
@@ -33,17 +48,19 @@ def parser(prog: str, description: str, *, shards: bool = False, model_source: b
                        "(default $BUILDKITE_PARALLEL_JOB_COUNT or 1)")
         p.add_argument("--shard-id", type=int, default=None, help="this agent's shard, 0-based "
                        "(default $BUILDKITE_PARALLEL_JOB or 0)")
-    p.add_argument("pytest_args", nargs=argparse.REMAINDER,
-                   help="after a second '--': arguments passed through to pytest")
+    if pytest:
+        p.epilog = "Any other argument, and everything after '--', is passed to pytest."
     return p
 
 
-def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = p.parse_args(argv)
-    if args.pytest_args and args.pytest_args[0] == "--":
-        args.pytest_args = args.pytest_args[1:]
-    elif args.pytest_args:
-        p.error(f"unrecognized arguments: {' '.join(args.pytest_args)} (pytest arguments go after '--')")
+def parse(p: Parser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The session's options; `args.pytest_args` holds the rest, in order."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, rest = p.parse_known_args(argv[:cut])
+    args.pytest_args = rest + argv[cut + 1:]
+    if args.pytest_args and not p.takes_pytest_args:
+        p.error(f"unrecognized arguments: {' '.join(args.pytest_args)} (this session runs no pytest)")
     try:
         if hasattr(args, "model_source"):
             args.model_source = resolve_model_source(args.model_source)
@@ -78,11 +95,11 @@ def shard(items: Sequence[T], num_shards: int, shard_id: int) -> list[T]:
 
 
 def start(session: str) -> Manifest:
-    """Load the manifest (exit 2 on a defect) and print the effective environment."""
+    """Load the manifest (BadInput on a defect) and print the effective environment."""
     try:
         manifest = load()
+        manifest.session(session)
     except ManifestError as exc:
-        print(f"error: {exc}", flush=True)
-        raise SystemExit(2) from None
+        raise BadInput(str(exc)) from None
     print(envpin.format_table(envpin.session_report(manifest, session), f"{session}: effective environment"), flush=True)
     return manifest

@@ -6,7 +6,8 @@
    cached stops the session (exit 75) before any engine starts.
 2. The plan (plan.json) tells the tests in tests/e2e what to run; pytest -m e2e runs
    them with JUnit XML, and each test appends what it measured to records.jsonl.
-3. summary.json merges both: one row per test, plus one per engine start with its time.
+3. summary.json merges both: one test entry per test with what it measured, plus one
+   row per engine start with its time.
 
 Exit codes: 0 passed (every skip names its reason), 1 a failure, 2 bad input,
 75 --model-source hub and a required checkpoint is missing.
@@ -18,16 +19,12 @@ engine: the plan, the output comparisons, per-position acceptance and the merge.
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, cli, envpin, pytestrun, torchprobe
+from specgate import artifacts, cli, envpin, exitcodes, lifecycle, pytestrun
 from specgate.manifest import REPO_ROOT, SPEC_METHODS, E2EConfig, Manifest, ManifestError, _Reader
 
 SESSION = "cpu_e2e"
@@ -36,11 +33,9 @@ RECORDS_VAR = "SPECGATE_E2E_RECORDS"
 TESTS_DIR = "tests/e2e"
 UPSTREAM_FILE = "tests/v1/e2e/test_cpu_spec_decode.py"
 DRAFT_MODEL_METHODS = ("eagle3", "dflash", "mtp")
-PYTEST_USAGE_ERROR = 4
-MISSING_CHECKPOINT = 75
-ROW_FIELDS = ("test", "method", "model_source", "target", "draft", "revision", "runner", "outcome", "cause",
-              "skip_reason", "drafts", "drafted_tokens", "accepted_tokens", "acceptance_len", "threshold",
-              "matches_baseline", "wall_s")
+# What each test entry carries beside the common nodeid/outcome/cause/reason/time_s.
+MEASURED_FIELDS = ("method", "model_source", "target", "draft", "revision", "runner", "drafts", "drafted_tokens",
+                   "accepted_tokens", "acceptance_len", "threshold", "matches_baseline")
 
 
 # --------------------------------------------------------------------------- settings
@@ -539,22 +534,17 @@ def planned_ids(plan_path: str | None) -> list[str] | None:
 
 
 def merge_results(results: Sequence[pytestrun.TestResult], records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per JUnit test case, filled from what the test recorded (the last record wins
-    per field); outcome, skip reason and wall time come from JUnit."""
+    """One test entry per JUnit test case, filled from what the test recorded (the last record
+    wins per field); outcome, reason (skip or failure message) and time come from JUnit."""
     by_test: dict[str, dict[str, Any]] = {}
     for record in records:
         if record.get("kind") == "test":
-            by_test.setdefault(record["test"], {}).update({k: v for k, v in record.items() if k != "kind"})
+            by_test.setdefault(record["test"], {}).update({k: v for k, v in record.items() if k not in ("kind", "test")})
     rows = []
     for result in results:
-        row = dict.fromkeys(ROW_FIELDS)
-        row.update(by_test.get(result.nodeid, {}))
-        row.update(test=result.nodeid, outcome=_outcome(result, row), wall_s=round(result.time_s, 2),
-                   skip_reason=result.message if result.outcome == "skipped" else None)
-        row["cause"] = _cause(result, row["outcome"])
-        if result.outcome in ("failed", "error"):
-            row["message"] = result.message
-        rows.append(row)
+        measured = {**dict.fromkeys(MEASURED_FIELDS), **by_test.get(result.nodeid, {})}
+        outcome = _outcome(result, measured)
+        rows.append(result.entry(cause=_cause(result, outcome), **measured) | {"outcome": outcome})
     return rows
 
 
@@ -574,11 +564,8 @@ def _cause(result: pytestrun.TestResult, outcome: str) -> str | None:
 
 
 def _outcome(result: pytestrun.TestResult, row: dict[str, Any]) -> str:
-    """passed / failed / skipped, and xfailed: a declared defect that showed its symptom
-    (JUnit calls it skipped; the test recorded that it expected the failure). An error
-    (setup/teardown) counts as failed."""
-    if result.outcome == "error":
-        return "failed"
+    """passed / failed / error / skipped, and xfailed: a declared defect that showed its
+    symptom (JUnit calls it skipped; the test recorded that it expected the failure)."""
     if result.outcome == "skipped" and row.get("expected_failure"):
         return "xfailed"
     return result.outcome
@@ -597,28 +584,18 @@ def compile_backend(engines: Sequence[dict[str, Any]]) -> str | None:
 
 
 def session_exit_code(pytest_code: int, rows: Sequence[dict[str, Any]]) -> int:
-    if pytest_code == PYTEST_USAGE_ERROR:
-        return 2
-    if pytest_code == pytestrun.NO_TESTS_COLLECTED or not rows:
-        return 1
-    if pytest_code != 0 or any(r["outcome"] == "failed" for r in rows):
-        return 1
-    return 0
-
-
-def combine_exit_codes(*codes: int) -> int:
-    """A failure outranks bad input, which outranks a missing piece of environment."""
-    return next((c for c in (1, 2, MISSING_CHECKPOINT) if c in codes), max(codes))
+    """pytest's code in the exit-code model; a failed or errored row fails whatever pytest said."""
+    failed = any(r["outcome"] in ("failed", "error") for r in rows)
+    return exitcodes.worst(exitcodes.from_pytest(pytest_code), exitcodes.FAILURE if failed else exitcodes.OK)
 
 
 def format_report(rows: Sequence[dict[str, Any]], engines: Sequence[dict[str, Any]]) -> str:
-    short = [[_short_test(r["test"]), r["method"], r["model_source"], r["runner"], r["outcome"],
+    short = [[_short_test(r["nodeid"]), r["method"], r["model_source"], r["runner"], r["outcome"],
               r["drafts"], r["drafted_tokens"], r["accepted_tokens"], _fmt(r["acceptance_len"]), _fmt(r["threshold"]),
-              r["matches_baseline"], r["wall_s"]] for r in rows]
+              r["matches_baseline"], r["time_s"]] for r in rows]
     lines = [artifacts.format_rows(["test", "method", "source", "runner", "outcome", "drafts", "drafted", "accepted",
-                                    "accept_len", "floor", "=baseline", "wall_s"], short)]
-    reasons = [f"  {_short_test(r['test'])}: {r['skip_reason'] or r.get('message')}" for r in rows
-               if r["outcome"] != "passed" and (r["skip_reason"] or r.get("message"))]
+                                    "accept_len", "floor", "=baseline", "time_s"], short)]
+    reasons = [f"  {_short_test(r['nodeid'])}: {r['reason']}" for r in rows if r["outcome"] != "passed" and r["reason"]]
     if reasons:
         lines += ["", "reasons:", *reasons]
     if engines:
@@ -686,11 +663,11 @@ def upstream_rows(results: Sequence[pytestrun.TestResult], behind: dict[str, str
     """Summary rows for upstream's tests: what JUnit says, the method from the test's name."""
     rows = merge_results(results, [])
     for row in rows:
-        name = row["test"].split("::")[-1]
+        name = row["nodeid"].split("::")[-1]
         param = name[name.find("[") + 1:-1] if name.endswith("]") else ""
         row["method"] = "ngram" if "ngram" in name else (param if param in SPEC_METHODS else None)
         row["model_source"] = "fixture" if any(v.startswith("fixture") for v in behind.values()) else "hub"
-        row["test"] = f"upstream:{row['test']}"
+        row["nodeid"] = f"upstream:{row['nodeid']}"
     return rows
 
 
@@ -729,31 +706,28 @@ def build_parser():
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = cli.parse(build_parser(), argv)
-    manifest = cli.start(SESSION)
+def step(ctx: lifecycle.Context) -> int:
+    args, manifest, record = ctx.args, ctx.manifest, ctx.record
     out = artifacts.artifacts_dir(SESSION)
-    started = time.monotonic()
-    summary: dict[str, Any] = {"model_mode": args.model_source, "vllm_version": _installed_vllm(),
-                               "shard": {"num_shards": args.num_shards, "shard_id": args.shard_id}}
+    record.update({"model_mode": args.model_source, "configs": [], "compile_backend": None, "engines": []})
     try:
         settings = Settings.parse(manifest)
         chosen = cli.shard(list(manifest.e2e), args.num_shards, args.shard_id)
         configs = [resolve_config(manifest, c, args.model_source) for c in chosen]
-    except (ManifestError, cli.BadInput) as exc:
-        print(f"error: {exc}", flush=True)
-        return finish(manifest, summary, [], [], 2, started, error=str(exc))
-    summary["configs"] = [c.id for c in configs]
+    except ManifestError as exc:
+        raise cli.BadInput(str(exc)) from None
+    record["configs"] = [c.id for c in configs]
     missing = missing_models(configs)
     if missing:
         for m in missing:
             print(f"missing: {m.name}: {m.reason}", flush=True)
-        return finish(manifest, summary, [], [], MISSING_CHECKPOINT, started,
-                      error=f"--model-source {args.model_source}: {len(missing)} required checkpoint(s) not cached",
+        record.update(error=f"--model-source {args.model_source}: {len(missing)} required checkpoint(s) not cached",
                       missing=[asdict(m) for m in missing])
+        return exitcodes.INCOMPLETE
     if not configs:
         print(f"shard {args.shard_id} of {args.num_shards}: no configs to run")
-        return finish(manifest, summary, [], [], 0, started)
+        ctx.expects_tests = False
+        return exitcodes.OK
 
     plan, records, junit = out / "plan.json", out / "records.jsonl", out / "junit.xml"
     artifacts.write_json(plan, plan_dict(args.model_source, settings, configs, (args.num_shards, args.shard_id)))
@@ -764,54 +738,27 @@ def main(argv: list[str] | None = None) -> int:
     env = pytestrun.child_env({**envpin.session_env(manifest, SESSION), "SPECGATE_SESSION": SESSION,
                                **compilecache.compile_cache_env(),
                                PLAN_VAR: str(plan), RECORDS_VAR: str(records)})
-    summary["env"] = envpin.effective_env(env, envpin.session_env(manifest, SESSION))
-    summary["engine_process_env"] = settings.child_env()
+    record["env"] = envpin.effective_env(env, envpin.session_env(manifest, SESSION))
+    record["engine_process_env"] = settings.child_env()
     print("compile caches: " + ", ".join(f"{k}={env[k]}" for k in sorted(compilecache.compile_cache_env()))
           + "; engine processes add " + ", ".join(f"{k}={v}" for k, v in settings.child_env().items()), flush=True)
     code = pytestrun.run_pytest(["-m", "e2e", "-rA", "-p", "no:cacheprovider", TESTS_DIR, *args.pytest_args],
                                 junit, cwd=REPO_ROOT, env=env, log=out / "pytest.log")
-    results = pytestrun.read_junit(junit) if junit.is_file() else []
     recorded = Recorder(records).read()
-    rows = merge_results(results, recorded)
+    rows = merge_results(pytestrun.read_junit(junit) if junit.is_file() else [], recorded)
     exit_code = session_exit_code(code, rows)
+    record["pytest_exit_code"] = code
     if args.upstream_e2e:
-        upstream_code, upstream_results, summary["upstream_e2e"] = run_upstream(
+        upstream_code, upstream_results, record["upstream_e2e"] = run_upstream(
             manifest, args.model_source, env, out, args.pytest_args)
         rows += upstream_results
-        exit_code = combine_exit_codes(exit_code, upstream_code)
-    return finish(manifest, summary, rows, engine_rows(recorded), exit_code, started, pytest_exit_code=code)
-
-
-def finish(manifest: Manifest, summary: dict[str, Any], rows: list[dict[str, Any]], engines: list[dict[str, Any]],
-           code: int, started: float, **extra: Any) -> int:
-    summary.setdefault("env", envpin.effective_env(os.environ, envpin.session_env(manifest, SESSION)))
-    summary.update({
-        "compile_backend": compile_backend(engines),
-        "exit_code": code,
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": round(time.monotonic() - started, 1),
-        "counts": {o: sum(r["outcome"] == o for r in rows) for o in ("passed", "failed", "skipped", "xfailed")},
-        "results": rows,
-        "engines": engines,
-        "degraded": torchprobe.read_degradation(),
-        **extra,
-    })
-    path = artifacts.write_summary(SESSION, summary)
+        exit_code = exitcodes.worst(exit_code, upstream_code)
+    engines = engine_rows(recorded)
+    record.update(tests=rows, engines=engines, compile_backend=compile_backend(engines))
     if rows or engines:
-        print(format_report(rows, engines))
-    print(f"{SESSION}: " + ", ".join(f"{n} {k}" for k, n in summary["counts"].items())
-          + f" in {summary['wall_s']} s -> exit {code}; summary: {path}", flush=True)
-    return code
-
-
-def _installed_vllm() -> str | None:
-    from specgate import upstream
-
-    try:
-        return upstream.installed_version()
-    except upstream.UpstreamError:
-        return None
+        print(format_report(rows, engines), flush=True)
+    return exit_code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifecycle.main(SESSION, build_parser(), step)

@@ -2,8 +2,9 @@
 
 It compares the environment the test process really sees with the manifest and
 stops the run before any test when they differ, so a value set in two places
-with two values cannot go unnoticed. A phase that changes a pinned variable on
-purpose (the online rerun) names it in SPECGATE_PHASE_OVERRIDES.
+with two values cannot go unnoticed. The online phase (SPECGATE_ONLINE=1, the
+rerun of a cache miss) is compared with the manifest's [online.env] on top of
+the session's pins, every other variable as usual.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ import pytest
 
 from specgate import artifacts, envpin, manifest as manifest_mod
 
-OVERRIDES_VAR = "SPECGATE_PHASE_OVERRIDES"
-
-
 def pytest_configure(config: pytest.Config) -> None:
     session = os.environ.get("SPECGATE_SESSION")
     if not session or hasattr(config, "workerinput"):
@@ -25,11 +23,10 @@ def pytest_configure(config: pytest.Config) -> None:
         manifest = manifest_mod.load()
     except manifest_mod.ManifestError as exc:
         raise pytest.UsageError(str(exc)) from None
-    overrides = set(filter(None, os.environ.get(OVERRIDES_VAR, "").split(",")))
-    problems = [p for p in envpin.mismatches(manifest, session, os.environ) if p.split(":")[0] not in overrides]
+    problems = envpin.mismatches(manifest, session, os.environ)
     artifacts.write_json(artifacts.artifacts_dir(session) / "pytest-env.json", {
         "env": envpin.session_report(manifest, session),
-        "phase_overrides": sorted(overrides),
+        "phase": "online" if os.environ.get(envpin.ONLINE_VAR) == "1" else "offline",
         "mismatches": problems,
     })
     if problems:

@@ -1,36 +1,34 @@
 """What the noxfile's sessions share: install once per constraints, pin the
-environment, run one package module, and map its exit code.
+environment, run one package module, and keep its exit code.
+
+nox turns every failing session into exit 1 and carries on with the next. Each
+session's own code (specgate.exitcodes) is remembered here, and when nox ends,
+its exit status becomes the most severe of them, so `nox -t gate` runs every
+session and still ends with 75 (not 1) when the worst was an incomplete cache.
 
 Runs in nox's own interpreter, so stdlib and nox only.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import sys
+import uuid
 from pathlib import Path
 
 import nox
 from nox.command import CommandFailed
 
-from specgate import envpin, torchprobe
+from specgate import envpin, exitcodes, summary, torchprobe
 from specgate.manifest import REPO_ROOT, Manifest, ManifestError, load
 
-# Exit codes that mean something other than "tests failed" and must survive nox,
-# which would otherwise turn every failing session into exit 1.
-PASS_THROUGH_CODES = {2: "bad input", 75: "environment or cache incomplete"}
+SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
 INSTALL_STAMP = "specgate-install.json"
 # Set to the PyTorch CPU wheel index to get CPU builds of torchvision/torchaudio/torchcodec.
 TORCH_CPU_INDEX_VAR = "SPECGATE_TORCH_CPU_INDEX"
-
-
-def manifest_or_exit() -> Manifest:
-    try:
-        return load()
-    except ManifestError as exc:
-        print(f"error: {exc}")
-        raise SystemExit(2) from None
 
 
 def _install_key(session: nox.Session, constraints: Path) -> str:
@@ -93,26 +91,67 @@ def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
 
 
 def run_module(session: nox.Session, module: str, *args: str) -> None:
-    """Run `python -m module` with the session's pinned environment; keep 2 and 75."""
-    manifest = manifest_or_exit()
-    install(session, manifest)
-    env = envpin.session_env(manifest, session.name)
-    env["SPECGATE_SESSION"] = session.name
-    if os.environ.get("SPECGATE_ONLINE") == "1":  # a rerun by scripts/run-cpu-test.sh
-        env.update(envpin.online_env(manifest))
+    """Run `python -m module` with the session's pinned environment and record its code.
+
+    The summary's `running` record is written before anything else, so an install
+    failure or a session process that dies without finishing its record still leaves
+    a summary of this run (crashed or killed), never an older one."""
+    if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
+        install(session, load())
+        return
+    run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
+    os.environ[summary.RUN_ID_VAR] = run_id
+    summary.begin(session.name)
+    SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until it is known
+    phase, error = "loading the manifest", None
     try:
+        manifest = load()
+        phase = "installing"
+        install(session, manifest)
+        phase = f"python -m {module}"
+        env = {**envpin.session_env(manifest, session.name), "SPECGATE_SESSION": session.name,
+               summary.RUN_ID_VAR: run_id}
         session.run("python", "-m", module, *args, *session.posargs, env=env)
+        code = exitcodes.OK
+    except ManifestError as exc:
+        session.log(f"error: {exc}")
+        code, error = exitcodes.BAD_INPUT, str(exc)
     except CommandFailed as exc:
-        if exc.return_code in PASS_THROUGH_CODES:
-            session.log(f"{session.name} exited {exc.return_code} ({PASS_THROUGH_CODES[exc.return_code]})")
-            raise SystemExit(exc.return_code) from None
-        raise
+        code = exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
+    finally:
+        _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
+                      "session finished its summary")
+        SESSION_CODES[session.name] = exitcodes.normal(code)
+    if code:
+        session.error(f"{session.name} exited {code} ({exitcodes.describe(code)})")
+
+
+def _close_orphan(name: str, run_id: str, code: int, error: str) -> None:
+    """Finish a record left `running` (bad manifest, failed install, a session process
+    that crashed hard or was killed): this run's record says what happened."""
+    record = summary.read(name)
+    if record and record.get("run_id") == run_id and record.get("status") == "running":
+        status = "killed" if code < 0 or code > 128 else "finished" if code == exitcodes.BAD_INPUT else "crashed"
+        summary.finish(record, exitcodes.normal(code), status=status, error=error)
+
+
+@atexit.register
+def _exit_with_the_worst_code() -> None:
+    """nox exits 1 when any session failed; make it the most severe session code instead."""
+    worst = exitcodes.worst(*SESSION_CODES.values())
+    if worst in (exitcodes.BAD_INPUT, exitcodes.INCOMPLETE):
+        print(f"nox: the most severe session result is {worst} ({exitcodes.describe(worst)}): "
+              + ", ".join(f"{name} {code}" for name, code in SESSION_CODES.items()), file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(worst)
 
 
 def lock_constraints(session: nox.Session) -> None:
     """Compile each constraints/*.in into its pinned .txt; uv records this command in the header."""
     from nox.virtualenv import find_uv
 
+    SESSION_CODES[session.name] = exitcodes.FAILURE   # until every file is compiled
     found, uv, _ = find_uv()
     if not found:
         session.error("lock needs uv (pip install uv, or run through scripts/noxw.py)")
@@ -124,3 +163,4 @@ def lock_constraints(session: nox.Session) -> None:
             str(source.relative_to(REPO_ROOT)), "-o", str(source.with_suffix(".txt").relative_to(REPO_ROOT)),
             env=envpin.installer_env(), external=True,
         )
+    SESSION_CODES[session.name] = exitcodes.OK

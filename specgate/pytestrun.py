@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from junitparser import Error, Failure, JUnitXml, Skipped
 
-NO_TESTS_COLLECTED = 5  # pytest's own code; a failure for us, never a silent pass
+from specgate import artifacts, processes
+from specgate.secrets import redact
 
 
 @dataclass
@@ -21,28 +22,38 @@ class TestResult:
     text: str             # the full failure/skip text, for classification
     time_s: float
 
-    def as_dict(self) -> dict:
-        data = asdict(self)
-        data.pop("text")
-        return data
+    def entry(self, cause: str | None = None, reason: str | None = None, **extra) -> dict:
+        """The summary's test entry (summary.schema.json#/$defs/test)."""
+        return {"nodeid": self.nodeid, "outcome": self.outcome, "cause": cause,
+                "reason": reason if reason is not None else (self.message or None), "time_s": round(self.time_s, 2),
+                **extra}
 
 
 def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] | None = None,
                log: Path | None = None) -> int:
-    """Run `python -m pytest` with JUnit output; stream to the terminal (and a log file if given)."""
+    """Run `python -m pytest` with JUnit output. Its output reaches the terminal (and the log
+    file, if given) with secrets masked, and so does the JUnit XML; it dies with this process."""
     # specgate.envcheck verifies, inside the test process, that the environment matches the manifest.
     command = [sys.executable, "-m", "pytest", "-p", "specgate.envcheck", f"--junitxml={junit}",
                "-o", "junit_family=xunit1", *args]
-    print("+ " + " ".join(command), flush=True)
-    if log is None:
-        return subprocess.run(command, cwd=cwd, env=env).returncode
-    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, errors="replace") as proc, log.open("w", encoding="utf-8") as sink:
+    print(redact("+ " + " ".join(command)), flush=True)
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace", preexec_fn=processes.die_with_parent) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sink.write(line)
-        return proc.wait()
+        sink = log.open("w", encoding="utf-8") if log else None
+        try:
+            for line in proc.stdout:
+                line = redact(line)
+                sys.stdout.write(line)
+                if sink:
+                    sink.write(line)
+        finally:
+            if sink:
+                sink.close()
+        code = proc.wait()
+    if junit.is_file():
+        artifacts.scrub_file(junit)
+    return code
 
 
 def nodeid(case) -> str:
@@ -71,13 +82,6 @@ def read_junit(junit: Path) -> list[TestResult]:
                     break
             results.append(TestResult(nodeid(case), outcome, message, text, float(case.time or 0)))
     return results
-
-
-def counts(results: list[TestResult]) -> dict[str, int]:
-    tally = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-    for r in results:
-        tally["errors" if r.outcome == "error" else r.outcome] += 1
-    return tally
 
 
 def child_env(extra: dict[str, str | None] | None = None) -> dict[str, str]:

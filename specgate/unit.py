@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from junitparser import JUnitXml
 
-from specgate import artifacts, classify, cli, envpin, fixtures, pytestrun, sources, torchprobe, upstream
+from specgate import (artifacts, classify, cli, envpin, exitcodes, fixtures, lifecycle, pytestrun, sources, summary,
+                      torchprobe, upstream)
 from specgate.redirect import MAP_VAR as REDIRECTS_MAP_VAR
 from specgate.manifest import Manifest, Redirect
 from specgate.pytestrun import TestResult
@@ -75,7 +74,7 @@ class Outcome:
             "redirect": self.redirect,
         }
         if self.earlier:
-            data["earlier_attempts"] = self.earlier
+            data["earlier"] = self.earlier
         return data
 
 
@@ -111,8 +110,8 @@ def exit_code(final: list[Outcome]) -> int:
     environment or cache; else 1 (a failure, or a cause this harness does not know)."""
     open_causes = {o.cause for o in final if o.result.outcome != "passed" and not o.declared_by}
     if not open_causes:
-        return 0
-    return 75 if open_causes <= INCOMPLETE else 1
+        return exitcodes.OK
+    return exitcodes.INCOMPLETE if open_causes <= INCOMPLETE else exitcodes.FAILURE
 
 
 # --------------------------------------------------------------------------- redirects
@@ -320,31 +319,29 @@ def select_files(root: Path, manifest: Manifest, pinned_only: bool) -> tuple[lis
     return files, source, gap.as_dict() if gap is not None else None, notes
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = cli.parse(build_parser(), argv)
-    manifest = cli.start(SESSION)
+def step(ctx: lifecycle.Context) -> int:
+    args, manifest, record = ctx.args, ctx.manifest, ctx.record
     out = artifacts.artifacts_dir(SESSION)
     for stale in (*out.glob("junit-attempt*.xml"), *out.glob("pytest-attempt*.log"), *out.glob("model-redirect-*.json"),
-                  *out.glob("redirects.json")):
+                  *out.glob("redirects.json"), *out.glob("junit.xml")):
         stale.unlink()  # a previous run's attempts must not pass for this run's
     base_env: dict[str, str | None] = {**envpin.session_env(manifest, SESSION), "SPECGATE_SESSION": SESSION}
-    summary: dict = {"vllm_version": None, "upstream": None, "files": [], "files_run": [], "files_source": None,
-                     "drift": None, "notes": [], "shard": {"num_shards": args.num_shards, "shard_id": args.shard_id}}
+    record.update({"upstream": None, "files": [], "files_run": [], "files_source": None, "drift": None, "notes": [],
+                   "redirects": [], "runs": []})
     try:
         version = upstream.installed_version()
-        summary["vllm_version"] = version
         root = upstream.tree(version, args.vllm_source_dir)
-        summary["upstream"] = upstream.describe(root)
+        record["upstream"] = upstream.describe(root)
         print(f"vLLM {version}: upstream tests at {root}")
-        files, summary["files_source"], summary["drift"], summary["notes"] = select_files(
-            root, manifest, args.pinned_files)
-    except upstream.UpstreamError as exc:  # the summary's report prints the one line
-        return finish(manifest, summary, [], [], [], exc.exit_code, error=str(exc))
-    summary["files"] = files
-    files = summary["files_run"] = cli.shard(files, args.num_shards, args.shard_id)
+        files, record["files_source"], record["drift"], record["notes"] = select_files(root, manifest, args.pinned_files)
+    except upstream.UpstreamError as exc:
+        raise lifecycle.Abort(str(exc), exc.exit_code) from None
+    record["files"] = files
+    files = record["files_run"] = cli.shard(files, args.num_shards, args.shard_id)
     if not files:
         print(f"shard {args.shard_id} of {args.num_shards}: no files to run")
-        return finish(manifest, summary, [], [], [], 0)
+        ctx.expects_tests = False
+        return exitcodes.OK
 
     plans = plan_redirects(manifest, args.model_source, files)
     groups = groups_for(files, redirect_map(plans), out)
@@ -375,42 +372,26 @@ def main(argv: list[str] | None = None) -> int:
                 second += explained(run, degraded)
     final = merge_attempts(first, second)
     merge_junit(runs, out / "junit.xml")
-    return finish(manifest, summary, final, runs, plans, exit_code(final), degraded=degraded)
-
-
-def finish(manifest: Manifest, summary: dict, final: list[Outcome], runs: list[Run], plans: list[RedirectPlan],
-           code: int, *, degraded: list[dict] | None = None, error: str | None = None) -> int:
-    tally = pytestrun.counts([o.result for o in final])
-    summary.update({
-        "counts": tally,
-        "tests": [o.entry() for o in final],
-        "redirects": [p.entry() for p in plans],
-        "runs": [r.entry() for r in runs],
-        "degraded": torchprobe.read_degradation() if degraded is None else degraded,
-        "error": error,
-        "exit_code": code,
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "env": envpin.session_report(manifest, SESSION, pytestrun.child_env(envpin.session_env(manifest, SESSION))),
-    })
-    path = artifacts.write_summary(SESSION, summary)
-    print(report(summary), flush=True)
-    print(f"summary: {path}")
+    record.update({"tests": [o.entry() for o in final], "redirects": [p.entry() for p in plans],
+                   "runs": [r.entry() for r in runs]})
+    code = exit_code(final)
+    if any(r.exit_code == exitcodes.PYTEST[4] for r in runs):
+        code = exitcodes.worst(code, exitcodes.BAD_INPUT)   # pytest rejected its arguments
+    print(report(record, code), flush=True)
     return code
 
 
-def report(summary: dict) -> str:
+def report(record: dict, code: int) -> str:
     """The human summary: counts, redirects, degradations and every non-pass with cause and reason."""
-    lines = [f"== {SESSION}: " + ", ".join(f"{n} {k}" for k, n in summary["counts"].items())
-             + f" -> exit {summary['exit_code']} =="]
-    if summary.get("error"):
-        lines.append(f"error: {summary['error']}")
-    for r in summary["redirects"]:
+    tally = summary.counts(record["tests"])
+    lines = [f"== {SESSION}: " + ", ".join(f"{n} {k}" for k, n in tally.items()) + f" -> exit {code} =="]
+    for r in record["redirects"]:
         state = f"applied -> {r['path']}" if r["applied"] else f"not applied ({r['resolved_source']}: {r['status']})"
         lines.append(f"redirect {r['checkpoint']} -> fixture {r['fixture']}: {state}; {r['why'] or r['reason']}")
-    for d in summary["degraded"]:
+    for d in record["degraded"]:
         lines.append(f"degraded: {d.get('package')} {d.get('action')}")
     rows = []
-    for (file, outcome, attempt, cause, declared, reason), tests in _non_passes(summary["tests"]).items():
+    for (file, outcome, attempt, cause, declared, reason), tests in _non_passes(record["tests"]).items():
         shown = tests[0] if len(tests) == 1 else f"{file} ({len(tests)} tests)"
         rows.append([shown, outcome, attempt, cause, declared, _short(reason)])
     if rows:
@@ -435,4 +416,4 @@ def _short(text: str | None) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifecycle.main(SESSION, build_parser(), step)

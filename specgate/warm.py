@@ -13,25 +13,21 @@ fixture), 75 when something required is missing and unreachable, 2 on bad input.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
-from specgate import artifacts, cli, envpin, sources
+from specgate import artifacts, cli, envpin, exitcodes, lifecycle, processes, sources
 from specgate.manifest import REPO_ROOT, Checkpoint, Manifest
 
 SESSION = "warm_cache"
-EXIT_OK, EXIT_BAD_INPUT, EXIT_MISSING = 0, 2, 75
 ATTEMPTS = 3                 # online attempts per checkpoint, transient errors only
 BACKOFF_S = 2.0              # then 2x per further attempt
 PROBE_TIMEOUT_S = 5.0
@@ -39,7 +35,6 @@ PROBE_TIMEOUT_S = 5.0
 CHILD_TIMEOUTS = {"HF_HUB_ETAG_TIMEOUT": "10", "HF_HUB_DOWNLOAD_TIMEOUT": "30"}
 DEFAULT_ENDPOINT = "https://huggingface.co"
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -49,35 +44,36 @@ class Row:
     seconds: float
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> cli.Parser:
     p = cli.parser(SESSION, "Fill the HF cache with every pinned checkpoint and build the fixtures.",
-                   model_source=True)
+                   model_source=True, pytest=False)
     p.add_argument("--suites", nargs="+", metavar="SUITE", default=None,
                    help="only the checkpoints these suites need (default: all)")
-    args = cli.parse(p, argv)
-    if args.pytest_args:
-        p.error("warm_cache runs no pytest; nothing goes after '--'")
-    return run(cli.start(SESSION), args.suites, args.model_source)
+    return p
+
+
+def step(ctx: lifecycle.Context) -> int:
+    ctx.expects_tests = bool(ctx.manifest.checkpoints_for(ctx.args.suites))  # e.g. not for --suites gate
+    return run(ctx.manifest, ctx.args.suites, ctx.args.model_source, ctx.record)
 
 
 def known_suites(manifest: Manifest) -> set[str]:
     return set(manifest.sessions) | {s for c in manifest.checkpoints.values() for s in c.suites}
 
 
-def run(manifest: Manifest, suites: list[str] | None, mode: str, *,
+def run(manifest: Manifest, suites: list[str] | None, mode: str, record: dict, *,
         cache_dir: Path | str | None = None, backoff_s: float = BACKOFF_S) -> int:
+    """Warm every checkpoint the suites need; fill the summary record; return the exit code."""
     unknown = sorted(set(suites or ()) - known_suites(manifest))
     if unknown:
-        print(f"error: unknown suite {', '.join(unknown)} (known: {', '.join(sorted(known_suites(manifest)))})",
-              flush=True)
-        return EXIT_BAD_INPUT
+        raise cli.BadInput(f"unknown suite {', '.join(unknown)} (known: {', '.join(sorted(known_suites(manifest)))})")
     from specgate import fixtures
 
     fixture_paths = fixtures.ensure_all(manifest)
     hub = Hub(sources.hub_cache(cache_dir), backoff_s, envpin.online_env(manifest))
     rows = [warm_one(manifest, ckpt, mode, hub) for ckpt in manifest.checkpoints_for(suites)]
-    code = EXIT_MISSING if any(r.source.status == "missing" for r in rows) else EXIT_OK
-    report(manifest, mode, suites, rows, fixture_paths, code)
+    code = exitcodes.INCOMPLETE if any(r.source.status == "missing" for r in rows) else exitcodes.OK
+    report(manifest, mode, suites, rows, fixture_paths, record)
     return code
 
 
@@ -201,15 +197,9 @@ def fetch_in_child(repo_id: str, revision: str, cache: Path, online_env: dict[st
     proc = subprocess.run(
         [sys.executable, "-c", "from specgate.warm import child_main; child_main()", repo_id, revision, str(cache)],
         env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, errors="replace",
-        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        preexec_fn=processes.die_with_parent,  # a killed warm_cache leaves no download running
     )
     return proc.returncode, proc.stdout.strip() or f"the fetch process exited with code {proc.returncode}"
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the parent dies, so a killed
-    warm_cache leaves no download running on its own."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def child_main() -> None:
@@ -238,7 +228,7 @@ def human_size(n: int) -> str:
 
 
 def report(manifest: Manifest, mode: str, suites: list[str] | None, rows: list[Row],
-           fixture_paths: dict[str, Path], code: int) -> None:
+           fixture_paths: dict[str, Path], record: dict) -> None:
     table = artifacts.format_rows(
         ["checkpoint", "revision", "size", "status", "seconds"],
         [[r.source.repo_id, r.source.revision[:12], human_size(r.size) if r.size else "",
@@ -246,21 +236,30 @@ def report(manifest: Manifest, mode: str, suites: list[str] | None, rows: list[R
     print(f"== {SESSION}: model source {mode} ==\n{table}", flush=True)
     for r in rows:
         if r.source.reason and mode != "fixture":
-            print(envpin.redact(f"{r.source.status}: {r.source.repo_id}: {r.source.reason}"), flush=True)
-    path = artifacts.write_summary(SESSION, {
+            print(f"{r.source.status}: {r.source.repo_id}: {r.source.reason}", flush=True)
+    record.update({
         "model_mode": mode,
         "suites": suites or sorted(known_suites(manifest)),
         "checkpoints": [{**asdict(r.source), "size_bytes": r.size, "seconds": r.seconds} for r in rows],
         "fixtures": {name: str(path) for name, path in fixture_paths.items()},
-        "env": envpin.session_report(manifest, SESSION),
-        "exit_code": code,
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tests": [test_entry(r) for r in rows],
     })
     artifacts.write_junit(SESSION, [
         (f"{r.source.repo_id}@{r.source.revision[:12]}", r.source.reason if r.source.status == "missing" else None,
          r.seconds) for r in rows])
-    print(f"summary: {path}", flush=True)
+
+
+def test_entry(row: Row) -> dict:
+    """A checkpoint as the summary's test entry: present passes, missing fails with the
+    classifier's label (the reasons start with it) as its cause."""
+    from specgate.classify import LABELS
+
+    missing = row.source.status == "missing"
+    label = row.source.reason.split(":", 1)[0] if missing else None
+    return {"nodeid": f"{row.source.repo_id}@{row.source.revision[:12]}", "outcome": "failed" if missing else "passed",
+            "cause": (label if label in LABELS else "cache-miss") if missing else None,
+            "reason": row.source.reason or None, "time_s": row.seconds}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    lifecycle.main(SESSION, build_parser(), step)

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -262,11 +263,12 @@ def _toml(value) -> str:
 
 
 def write_manifest(folder: Path, checkpoints: dict[str, dict], fixture: str = "tiny-qwen3") -> Path:
-    """A small valid manifest: the real sessions, online env and unit table, the given checkpoints
+    """A small valid manifest: the real sessions, gate, online env and unit table, the given checkpoints
     (repo_id -> {revision, suites[, gated]}), each standing in with `fixture` copied
     from the real manifest."""
     real = specgate_manifest.load()
-    lines = ["schema = 1"]
+    gate = tomllib.loads(real.path.read_text(encoding="utf-8"))["gate"]
+    lines = ["schema = 1", f"gate = {_toml(gate)}"]   # an inline table, before the first [table]
     for name, spec in real.sessions.items():
         target = folder / spec.constraints
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,16 +10,18 @@ import sys
 import time
 from pathlib import Path
 
-from specgate import artifacts
+from contract import read_valid
+from specgate import artifacts, summary
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_summary_lands_under_artifacts_session(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
-    path = artifacts.write_summary("cpu_unit", {"exit_code": 0})
+    path = summary.finish(summary.begin("cpu_unit"), 0)
     assert path == tmp_path / "cpu_unit" / "summary.json"
-    assert json.loads(path.read_text()) == {"session": "cpu_unit", "exit_code": 0}
+    data = read_valid(path)
+    assert data["session"] == "cpu_unit" and data["status"] == "finished" and data["exit_code"] == 0
     assert [p.name for p in path.parent.iterdir()] == ["summary.json"]  # no temp file left
 
 
@@ -39,7 +41,7 @@ def slow(text):
     time.sleep(30)
     return real(text)
 a.redact = slow
-a.write_json(__import__('pathlib').Path({str(target)!r}), {{"generation": 2, "pad": "x" * 10_000_000}})
+a.write_atomic(__import__('pathlib').Path({str(target)!r}), '{{"generation": 2}}')
 """
     proc = subprocess.Popen([sys.executable, "-c", child])
     deadline = time.time() + 20

@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from specgate import bench
+from specgate import bench, summary
 from specgate.manifest import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,15 +172,14 @@ def test_torch_processes_are_found_by_what_they_map():
     assert snapshot["loadavg_1m"] >= 0 and snapshot["other_torch_processes"] >= 0
 
 
-def test_read_fresh_summary_ignores_an_older_run(tmp_path, monkeypatch):
+def test_read_fresh_summary_ignores_an_older_or_unfinished_run(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
-    path = tmp_path / "cpu_e2e" / "summary.json"
-    path.parent.mkdir()
-    path.write_text('{"exit_code": 0}')
-    os.utime(path, (1000, 1000))
-    assert bench.read_fresh_summary("cpu_e2e", since=5000) is None
-    os.utime(path, None)
-    assert bench.read_fresh_summary("cpu_e2e", since=os.path.getmtime(path)) == {"exit_code": 0}
+    since = time.time()
+    record = summary.begin("cpu_e2e")
+    assert bench.read_fresh_summary("cpu_e2e", since=since) is None       # still running
+    summary.finish(record, 0)
+    assert bench.read_fresh_summary("cpu_e2e", since=since)["exit_code"] == 0
+    assert bench.read_fresh_summary("cpu_e2e", since=since + 5) is None   # started before that run
 
 
 # --------------------------------------------------------------------------- running children
@@ -230,8 +230,8 @@ def test_bad_options_exit_2_with_one_line(argv):
     proc = subprocess.run([sys.executable, "-m", "specgate.bench", *argv], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("nox -s bench --: error:")
-    assert proc.stdout == ""
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "-> exit 2 (bad input)" in proc.stdout.splitlines()[-1]
 
 
 def test_engine_starts_come_from_the_e2e_summary():

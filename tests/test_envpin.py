@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from specgate import artifacts, envpin, pytestrun
+from specgate.secrets import MASK
 from specgate.manifest import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,12 +69,29 @@ def test_a_value_set_twice_with_two_values_stops_the_run(tmp_path):
     assert not (tmp_path / "env.json").exists()
 
 
-def test_declared_phase_override_is_allowed_and_recorded(tmp_path):
-    _, proc = _run_session_pytest(tmp_path, "cpu_unit", extra={"HF_HUB_OFFLINE": "0",
-                                                               "SPECGATE_PHASE_OVERRIDES": "HF_HUB_OFFLINE"})
+def test_the_online_phase_is_allowed_and_recorded(tmp_path):
+    _, proc = _run_session_pytest(tmp_path, "cpu_unit", extra={"HF_HUB_OFFLINE": "0", "SPECGATE_ONLINE": "1"})
     assert proc.returncode == 0, proc.stdout
     record = json.loads((tmp_path / "artifacts" / "cpu_unit" / "pytest-env.json").read_text())
-    assert record["phase_overrides"] == ["HF_HUB_OFFLINE"]
+    assert record["phase"] == "online" and record["mismatches"] == []
+
+
+def test_an_online_phase_that_re_pins_offline_is_caught(tmp_path):
+    """The rerun asked for the online phase, but something re-pinned HF_HUB_OFFLINE=1 on the way."""
+    _, proc = _run_session_pytest(tmp_path, "cpu_unit", extra={"SPECGATE_ONLINE": "1"})
+    assert proc.returncode == 4
+    assert "HF_HUB_OFFLINE: manifest says 0, process saw 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("session", SESSIONS)
+def test_the_online_phase_reaches_every_session_s_test_process(session):
+    manifest = load()
+    online = envpin.session_env(manifest, session, {"SPECGATE_ONLINE": "1"})
+    offline = envpin.session_env(manifest, session, {})
+    assert online["HF_HUB_OFFLINE"] == "0" and online["SPECGATE_ONLINE"] == "1"
+    assert offline["HF_HUB_OFFLINE"] == "1" and "SPECGATE_ONLINE" not in offline
+    assert {k: v for k, v in online.items() if k not in manifest.online_env and k != "SPECGATE_ONLINE"} == \
+        {k: v for k, v in offline.items() if k not in manifest.online_env}
 
 
 def test_every_session_sets_or_removes_every_managed_variable():
@@ -90,15 +108,16 @@ def test_every_session_sets_or_removes_every_managed_variable():
 
 def test_secrets_are_masked_in_tables_and_scrubbed_from_artifacts(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
-    monkeypatch.setenv("MY_API_KEY", "k-123456789")
+    monkeypatch.setenv("BUILDKITE_STEP_KEY", "cpu_unit")
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
     shown = envpin.effective_env(os.environ, {})
-    assert shown["HF_TOKEN"] == envpin.MASK and shown["MY_API_KEY"] == envpin.MASK
+    assert shown["HF_TOKEN"] == MASK and "BUILDKITE_STEP_KEY" not in shown  # shown only when relevant
     table = envpin.format_table(shown)
-    assert "hf_abcdefghijklmnop" not in table and "k-123456789" not in table
-    path = artifacts.write_summary("demo", {"log_tail": "auth header Bearer hf_abcdefghijklmnop failed"})
+    assert "hf_abcdefghijklmnop" not in table
+    path = tmp_path / "demo.json"
+    artifacts.write_json(path, {"log_tail": "auth header Bearer hf_abcdefghijklmnop failed", "step": "cpu_unit"})
     text = path.read_text()
-    assert "hf_abcdefghijklmnop" not in text and "Bearer ***" in text
+    assert "hf_abcdefghijklmnop" not in text and "Bearer ***" in text and '"cpu_unit"' in text
 
 
 def test_user_pip_settings_reach_uv_unless_uv_has_its_own():

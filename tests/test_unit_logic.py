@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from hubserver import HubServer, Repo, hf_env
 
-from specgate import pytestrun, unit
+from contract import read_valid
+from specgate import envpin, pytestrun, summary, unit
 from specgate.manifest import REPO_ROOT, Redirect, load
 
 REPO_ID = "acme/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TORCHVISION_RECORD = [{"package": "torchvision", "action": "removed", "reason": "failed to import beside torch+cpu"}]
-SUMMARY_KEYS = {"session", "vllm_version", "upstream", "files", "files_run", "files_source", "drift", "shard", "notes",
-                "counts", "tests", "redirects", "runs", "degraded", "error", "exit_code", "finished_at", "env"}
+SUMMARY_KEYS = {"upstream", "files", "files_run", "files_source", "drift", "notes", "redirects", "runs"}
 
 
 def _outcome(outcome: str, cause: str | None = None, declared_by: str | None = None, nodeid: str = "t.py::x",
@@ -129,10 +129,10 @@ def test_a_rerun_replaces_attempt_one_and_keeps_it_inside():
               _outcome("failed", "transient", nodeid="b.py::t2", attempt=2)]
     final = unit.merge_attempts(first, second)
     assert [(o.nodeid, o.attempt) for o in final] == [("a.py::ok", 1), ("a.py::hub", 2), ("b.py::t1", 2), ("b.py::t2", 2)]
-    assert final[1].entry()["earlier_attempts"] == [
+    assert final[1].entry()["earlier"] == [
         {"attempt": 1, "nodeid": "a.py::hub", "outcome": "failed", "cause": "cache-miss", "reason": "why"}]
     assert final[3].earlier[0]["nodeid"] == "b.py"
-    assert "earlier_attempts" not in final[0].entry()
+    assert "earlier" not in final[0].entry()
     assert unit.exit_code(final) == 75
 
 
@@ -207,14 +207,15 @@ def test_summary_keys_and_the_human_table(tmp_path, monkeypatch, capsys):
     final = [_outcome("passed", nodeid="a.py::ok"),
              _outcome("skipped", "env-blocked", unit.SKIP_DECLARES, nodeid="a.py::cuda"),
              _outcome("failed", "failure", nodeid="a.py::bad")]
-    summary = {"vllm_version": "0.32.0", "upstream": {}, "files": ["a.py"], "files_run": ["a.py"],
-               "files_source": "upstream-pipeline", "drift": None, "shard": {}, "notes": []}
-    code = unit.finish(load(), summary, final, [], [_plan("/fixtures/tiny-qwen3")], unit.exit_code(final),
-                       degraded=TORCHVISION_RECORD)
-    assert code == 1
-    written = json.loads((tmp_path / "cpu_unit" / "summary.json").read_text())
-    assert set(written) == SUMMARY_KEYS
-    assert written["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0}
+    pinned = pytestrun.child_env(envpin.session_env(load(), unit.SESSION))   # what the session process sees
+    record = summary.begin(unit.SESSION, env=envpin.session_report(load(), unit.SESSION, pinned))
+    record.update({"tests": [o.entry() for o in final], "redirects": [_plan("/fixtures/tiny-qwen3").entry()],
+                   "degraded": TORCHVISION_RECORD})
+    print(unit.report(record, unit.exit_code(final)))
+    summary.finish(record, unit.exit_code(final))
+    written = read_valid(tmp_path / "cpu_unit" / "summary.json")
+    assert written["exit_code"] == 1
+    assert written["counts"] == {"executed": 2, "passed": 1, "failed": 1, "errors": 0, "skipped": 1, "xfailed": 0}
     for test in written["tests"]:
         assert {"nodeid", "outcome", "cause", "reason", "attempt"} <= set(test)
         assert (test["cause"] is None) == (test["outcome"] == "passed") and (test["reason"] is None) == (test["cause"] is None)
@@ -222,7 +223,7 @@ def test_summary_keys_and_the_human_table(tmp_path, monkeypatch, capsys):
     assert written["env"]["HF_HUB_OFFLINE"] == "1" and written["env"]["HF_TOKEN"] == "***"
     assert "hf_secret_value_123" not in (tmp_path / "cpu_unit" / "summary.json").read_text()
     shown = capsys.readouterr().out
-    assert "1 passed, 1 failed, 1 skipped, 0 errors -> exit 1" in shown
+    assert "2 executed, 1 passed, 1 failed, 0 errors, 1 skipped, 0 xfailed -> exit 1" in shown
     assert "a.py::bad" in shown and "a.py::cuda" in shown and "a.py::ok" not in shown
     assert "redirect facebook/opt-125m -> fixture tiny-qwen3: applied" in shown and "degraded: torchvision" in shown
 
@@ -291,18 +292,18 @@ def test_session_end_to_end_over_a_crafted_checkout(tmp_path):
                               check=False)
         online_requests = hub.total_requests()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "artifacts" / "cpu_unit" / "summary.json").read_text())
-    assert summary["files_source"] == "upstream-pipeline"
+    summary = read_valid(tmp_path / "artifacts" / "cpu_unit" / "summary.json")
+    assert SUMMARY_KEYS <= set(summary) and summary["files_source"] == "upstream-pipeline"
     assert summary["files"] == ["tests/v1/spec_decode/test_ngram.py", "tests/v1/test_misc.py"]
     assert summary["drift"]["added"] == ["tests/v1/test_misc.py"] and len(summary["drift"]["removed"]) == 13
-    assert summary["counts"] == {"passed": 4, "failed": 0, "skipped": 1, "errors": 0}
+    assert summary["counts"] == {"executed": 4, "passed": 4, "failed": 0, "errors": 0, "skipped": 1, "xfailed": 0}
     tests = {t["nodeid"].split("::")[-1]: t for t in summary["tests"]}
     assert tests["test_ngram_proposer"]["redirect"]["facebook/opt-125m"] == summary["redirects"][0]["path"]
     assert tests["test_same_checkpoint_undeclared"]["redirect"] is None
     assert tests["test_needs_cuda"]["cause"] == "env-blocked" and "CUDA" in tests["test_needs_cuda"]["reason"]
     hub_test = tests["test_reads_the_hub"]
     assert hub_test["outcome"] == "passed" and hub_test["attempt"] == 2
-    assert hub_test["earlier_attempts"][0]["cause"] == "cache-miss"
+    assert hub_test["earlier"][0]["cause"] == "cache-miss"
     assert online_requests > 0
     assert [(r["group"], r["attempt"]) for r in summary["runs"]] == [("main", 1), ("main", 2)]
     assert "drift vs manifest unit.files:" in proc.stdout and "rerunning 1 cache-miss test(s) online" in proc.stdout
@@ -315,7 +316,7 @@ def _session(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, d
     proc = subprocess.run([sys.executable, "-m", "specgate.unit", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, check=False)
     summary = tmp_path / "artifacts" / "cpu_unit" / "summary.json"
-    return proc, json.loads(summary.read_text()) if summary.is_file() else None
+    return proc, read_valid(summary) if summary.is_file() else None
 
 
 def _crafted_checkout(tmp_path: Path, pipeline: str) -> Path:
@@ -349,3 +350,4 @@ def test_an_empty_shard_runs_nothing_and_says_so(tmp_path):
     proc, summary = _session(tmp_path, "--vllm-source-dir", str(checkout), "--num-shards", "3", "--shard-id", "2")
     assert proc.returncode == 0 and "shard 2 of 3: no files to run" in proc.stdout
     assert summary["files_run"] == [] and summary["runs"] == [] and len(summary["files"]) == 2
+    assert summary["shard"] == {"num_shards": 3, "shard_id": 2} and summary["counts"]["executed"] == 0

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from hubserver import ConnectionGuard, HubServer, Repo, closed_endpoint, hf_env, write_manifest
 
-from specgate import fixtures, pytestrun, sources, warm
+from contract import read_valid
+from specgate import cli, envpin, fixtures, pytestrun, sources, warm
+from specgate.summary import begin as begin_record, finish as finish_record
 from specgate.manifest import REPO_ROOT, load
 
 REPO_ID = "acme/tiny-model"
@@ -27,8 +29,9 @@ MODEL = os.urandom(1_000_000)
 FILES = {"config.json": b'{"model_type": "qwen3"}', "tokenizer.json": b'{"v": 1}' * 100, "model.safetensors": MODEL}
 SUMMARY_KEYS = {"session", "model_mode", "suites", "checkpoints", "fixtures", "env", "exit_code", "finished_at"}
 # One warm_cache run on a given manifest and model source, in its own process.
-RUN = ("import sys; from specgate import warm; from specgate.manifest import load; "
-       "sys.exit(warm.run(load(sys.argv[1]), None, sys.argv[2], backoff_s=0.05))")
+RUN = ("import sys; from specgate import summary, warm; from specgate.manifest import load; "
+       "r = summary.begin('warm_cache'); c = warm.run(load(sys.argv[1]), None, sys.argv[2], r, backoff_s=0.05); "
+       "summary.finish(r, c); sys.exit(c)")
 
 
 @pytest.fixture
@@ -58,13 +61,16 @@ def cache(tmp: Path) -> Path:
 
 
 def summary(tmp: Path, folder: str = "artifacts") -> dict:
-    return json.loads((tmp / folder / "warm_cache" / "summary.json").read_text())
+    return read_valid(tmp / folder / "warm_cache" / "summary.json")
 
 
 def run_here(tmp: Path, manifest: Path, suites: list[str] | None, mode: str) -> int:
     """warm_cache in this process, on the case's own HF cache (huggingface_hub fixes its
     default cache folder at first import, so an in-process run names it)."""
-    return warm.run(load(manifest), suites, mode, cache_dir=cache(tmp), backoff_s=0.01)
+    record = begin_record("warm_cache", env=envpin.session_report(load(manifest), "warm_cache"))
+    code = warm.run(load(manifest), suites, mode, record, cache_dir=cache(tmp), backoff_s=0.01)
+    finish_record(record, code)
+    return code
 
 
 def statuses(data: dict) -> dict[str, str]:
@@ -228,15 +234,16 @@ def test_suites_select_checkpoints_and_unknown_suite_exits_2(case, hub, capsys):
     tmp, manifest = case
     assert run_here(tmp, manifest, ["cpu_unit"], "hub") == 0
     assert list(statuses(summary(tmp))) == [OTHER_ID]
-    assert warm.run(load(manifest), ["cpu_unit", "nightly"], "hub") == 2
-    assert capsys.readouterr().out.splitlines()[-1].startswith("error: unknown suite nightly (known: ")
+    with pytest.raises(cli.BadInput, match="unknown suite nightly"):
+        warm.run(load(manifest), ["cpu_unit", "nightly"], "hub", {})
 
 
 def test_cli_unknown_suite_exits_2():
     proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--suites", "nosuch"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stdout.splitlines()[-1].startswith("error: unknown suite nosuch")
+    assert [line for line in proc.stdout.splitlines() if line.startswith("error:")] == [
+        f"error: unknown suite nosuch (known: {', '.join(sorted(warm.known_suites(load())))})"]
 
 
 def test_gated_checkpoint_without_token_asks_for_one_without_network(case, hub, capsys):

@@ -1,0 +1,114 @@
+"""One session lifecycle, shared by every session module:
+
+    begin the record (a `running` summary that replaces any older one)
+    -> parse options, load the manifest, print the effective environment
+    -> run the session's own step
+    -> finish the record in `finally`: `finished`, or `crashed` / `killed` with the
+       process tree ended, so no summary is ever stale or half-written
+    -> the exit-code model (specgate.exitcodes) and one closing line.
+
+A session supplies its parser and a step `(Context) -> exit code` that fills
+`ctx.record["tests"]` (one shape for every session) and its own fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specgate import artifacts, cli, envpin, exitcodes, processes, summary
+from specgate.manifest import Manifest
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Abort(Exception):
+    """The session cannot go on: one line for the user, and the exit code that earns."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Stopped(BaseException):
+    """A stop signal arrived; raised from the handler so `finally` blocks run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class Context:
+    session: str
+    manifest: Manifest
+    args: argparse.Namespace
+    record: dict[str, Any]
+    expects_tests: bool = True   # a run that executes none of them is a failure
+    notes: list[str] = field(default_factory=list)
+
+    def set_shard(self, num_shards: int, shard_id: int) -> None:
+        self.record["shard"] = {"num_shards": num_shards, "shard_id": shard_id}
+
+
+Step = Callable[[Context], int]
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def run(session: str, parser: argparse.ArgumentParser, step: Step, argv: Sequence[str] | None = None) -> int:
+    record = summary.begin(session)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    status, error, code = "finished", None, exitcodes.FAILURE
+    ctx: Context | None = None
+    try:
+        args = cli.parse(parser, argv)
+        manifest = cli.start(session)
+        record["env"] = envpin.session_report(manifest, session)
+        ctx = Context(session, manifest, args, record)
+        if hasattr(args, "num_shards"):
+            ctx.set_shard(args.num_shards, args.shard_id)
+        code = step(ctx)
+    except (cli.BadInput, Abort) as exc:
+        print(f"error: {exc}", flush=True)
+        code, error = getattr(exc, "exit_code", exitcodes.BAD_INPUT), str(exc)
+    except SystemExit as exc:  # --help
+        code = exc.code if isinstance(exc.code, int) else exitcodes.BAD_INPUT
+    except Stopped as exc:
+        status, code, error = "killed", 128 + exc.signum, f"stopped by {exc}"
+        ended = processes.end_tree()
+        print(f"{session}: stopped by {exc}; ended {len(ended)} child process(es)", flush=True)
+    except Exception as exc:  # a bug in the harness or an unexpected environment: say so, never pass
+        traceback.print_exc()
+        status, code, error = "crashed", exitcodes.FAILURE, f"{type(exc).__name__}: {exc}"
+        processes.end_tree()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    tally = summary.counts(record["tests"])
+    if status == "finished" and code == exitcodes.OK and ctx is not None and ctx.expects_tests and not tally["executed"]:
+        code, error = exitcodes.FAILURE, "executed no test where tests were expected: an empty run is not a pass"
+    path = summary.finish(record, code, status=status, error=error or record.get("error"))
+    artifacts.scrub_tree(path.parent)
+    print(closing_line(record, path), flush=True)
+    return code
+
+
+def closing_line(record: dict[str, Any], path: Any) -> str:
+    counts = record["counts"]
+    shown = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed") if counts[k])
+    error = f"; {record['error']}" if record.get("error") else ""
+    return (f"== {record['session']}: {record['status']}, {shown or 'no tests'} (executed {counts['executed']}) "
+            f"in {record['wall_s']} s -> exit {record['exit_code']} ({exitcodes.describe(record['exit_code'])})"
+            f"{error}; summary: {path} ==")
+
+
+def main(session: str, parser: argparse.ArgumentParser, step: Step) -> None:
+    sys.exit(run(session, parser, step))

@@ -1,0 +1,50 @@
+"""No process outlives its step: children die with their parent, and a session that
+is stopped takes its whole process tree with it (psutil walks the tree)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+GRACE_S = 3.0
+
+
+def die_with_parent() -> None:
+    """preexec_fn for a child: SIGKILL when the parent dies, even by SIGKILL (Linux)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def end_tree(grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM every descendant of this process, SIGKILL what is left after grace_s.
+    Descendants that started their own session are found too. Returns their pids."""
+    return end_process_tree(os.getpid(), grace_s, spare_root=True)
+
+
+def end_process_tree(pid: int, grace_s: float = GRACE_S, *, spare_root: bool = False) -> list[int]:
+    """SIGTERM the process pid and every descendant, SIGKILL what is left after grace_s
+    (spare_root: only the descendants). The tree is read before anything is signalled,
+    so a grandchild is found while its parent still links it. Returns their pids."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + ([] if spare_root else [root])
+    except psutil.NoSuchProcess:
+        return []
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return [proc.pid for proc in procs]
