@@ -83,6 +83,19 @@ class E2EConfig:
 
 
 @dataclass(frozen=True)
+class GateSpec:
+    """[gate]: what `nox -s gate` needs before a CI step may drop soft_fail."""
+
+    runs: int                                         # clean runs a step needs (--runs overrides)
+    budget_s: dict[str, int]                          # step -> its timeout budget in .buildkite/pipeline.yml
+    coverage: dict[str, dict[str, dict[str, int]]]    # vLLM version -> step -> test file -> passed tests, at least
+
+    def floors(self, vllm_version: str | None, step: str) -> dict[str, int] | None:
+        """The step's passed-tests-per-file floor on that vLLM version; None when none is declared."""
+        return self.coverage.get(vllm_version or "", {}).get(step)
+
+
+@dataclass(frozen=True)
 class Manifest:
     path: Path
     sessions: dict[str, SessionSpec]
@@ -92,6 +105,7 @@ class Manifest:
     e2e: tuple[E2EConfig, ...]
     e2e_settings: dict[str, Any]
     online_env: dict[str, str]
+    gate: GateSpec
 
     def managed_env_names(self) -> set[str]:
         """Every variable some session pins: each session sets or removes all of them."""
@@ -266,6 +280,40 @@ def _e2e(root: _Reader, checkpoints: dict[str, Checkpoint]) -> tuple[tuple[E2ECo
     return tuple(configs), settings
 
 
+def _int_at_least(table: _Reader, key: str, minimum: int) -> int:
+    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    value = table.get(key, int, expected)
+    if value < minimum:
+        raise table.fail(key, expected, value)
+    return value
+
+
+def _gate(root: _Reader, sessions: dict[str, SessionSpec]) -> GateSpec:
+    gate = root.table("gate")
+
+    def step_of(table: _Reader, step: str) -> str:
+        # A step is a session; a misspelt one would silently never be judged.
+        if step not in sessions:
+            raise table.fail(step, f"a session declared under [sessions] ({', '.join(sorted(sessions))})", step)
+        return step
+
+    budgets = gate.table("budget_s")
+    coverage: dict[str, dict[str, dict[str, int]]] = {}
+    for version in gate.table("coverage").data:
+        per_step = gate.table("coverage").table(version)
+        coverage[version] = {}
+        for step in per_step.data:
+            files = per_step.table(step_of(per_step, step))
+            if not files.data:
+                raise per_step.fail(step, "a table of test file = passed tests", {})
+            coverage[version][step] = {name: _int_at_least(files, name, 0) for name in files.data}
+    return GateSpec(
+        runs=_int_at_least(gate, "runs", 1),
+        budget_s={step_of(budgets, step): _int_at_least(budgets, step, 1) for step in budgets.data},
+        coverage=coverage,
+    )
+
+
 def load(path: Path | str | None = None) -> Manifest:
     """Load and validate the manifest; raise ManifestError with one line on any defect.
 
@@ -283,13 +331,15 @@ def load(path: Path | str | None = None) -> Manifest:
     fixtures = _fixtures(root)
     checkpoints = _checkpoints(root, fixtures)
     e2e, e2e_settings = _e2e(root, checkpoints)
+    sessions = _sessions(root)
     return Manifest(
         path=path,
-        sessions=_sessions(root),
+        sessions=sessions,
         checkpoints=checkpoints,
         fixtures=fixtures,
         unit=_unit(root, checkpoints, fixtures),
         e2e=e2e,
         e2e_settings=e2e_settings,
         online_env=_env(root.table("online").table("env")),
+        gate=_gate(root, sessions),
     )

@@ -1,4 +1,8 @@
-"""`python -m specgate.gate` on synthetic histories of cpu_unit and cpu_e2e summaries."""
+"""`nox -s gate` (specgate.gate) on synthetic histories of cpu_unit and cpu_e2e summaries.
+
+Every summary written here follows specgate/summary.schema.json (checked as it is built),
+and passes the coverage floors the real manifest declares unless a test says otherwise.
+"""
 
 from __future__ import annotations
 
@@ -8,193 +12,414 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import jsonschema
 import pytest
 
-from specgate import gate, pytestrun
+from specgate import gate, manifest, pytestrun, summary
 
 REPO = Path(__file__).resolve().parent.parent
 START = datetime(2026, 11, 1, 6, 0, tzinfo=timezone.utc)
-UNIT_TESTS = ["tests/v1/spec_decode/test_ngram.py::test_ngram_proposer",
-              "tests/v1/spec_decode/test_eagle_draft_attn_metadata.py::test_metadata[2]"]
-E2E_TESTS = ["tests/e2e/test_spec_decode.py::test_acceptance[eagle3-tiny-qwen3]",
-             "tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3]"]
+VERSION = "0.32.0"
+GATE = manifest.load().gate
+SCHEMA = summary.load_schema()
+NGRAM = "tests/v1/spec_decode/test_ngram.py"
+HOST = {"cpu_model": "Intel(R) Xeon(R) Processor", "cores": 2, "isa": ["avx2", "avx512f"], "memory_gib": 23.5,
+        "machine": "x86_64", "system": "Linux 6.18"}
 
 
-def unit_summary(day: int, *, exit_code: int = 0, version: str = "0.32.0", **outcomes) -> dict:
-    """A cpu_unit summary; outcomes maps a test index ('t0', 't1') to (outcome, cause, reason)."""
-    tests = []
-    for index, nodeid in enumerate(UNIT_TESTS):
-        outcome, cause, reason = outcomes.get(f"t{index}", ("passed", None, None))
-        tests.append({"nodeid": nodeid, "outcome": outcome, "cause": cause, "reason": reason})
-    tests.append({"nodeid": "tests/v1/worker/test_gpu_batch_ordering.py::test_cuda_graphs", "outcome": "skipped",
-                  "cause": None, "reason": "requires CUDA"})
-    return {"session": "cpu_unit", "vllm_version": version, "exit_code": exit_code,
-            "finished_at": (START + timedelta(days=day)).isoformat(), "tests": tests}
+def entry(nodeid: str, outcome: str = "passed", cause: str | None = None, reason: str | None = None,
+          **extra) -> dict:
+    return {"nodeid": nodeid, "outcome": outcome, "cause": cause, "reason": reason, "time_s": 0.5, **extra}
 
 
-def e2e_summary(day: int, *, exit_code: int = 0, version: str = "0.32.0", skip_reason: str | None = "env-blocked: "
-                "torchvision is not importable (No module named 'torchvision')") -> dict:
-    results = [{"test": t, "method": t.split("[")[1].split("-")[0], "outcome": "passed", "skip_reason": None,
-                "acceptance_len": 3.9, "threshold": 3.5} for t in E2E_TESTS]
-    results.append({"test": "tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5]", "method": "mtp",
-                    "outcome": "skipped", "skip_reason": skip_reason, "acceptance_len": None, "threshold": 2.0})
-    return {"session": "cpu_e2e", "vllm_version": version, "exit_code": exit_code,
-            "finished_at": (START + timedelta(days=day, hours=1)).isoformat(), "results": results}
+def passing(step: str) -> list[dict]:
+    """What a clean run of the step executes: at least its coverage floor in every file
+    (one test where the floor is 0), plus one explained skip."""
+    floors = GATE.floors(VERSION, step)
+    tests = [entry(f"{name}::test_{i}") for name, floor in floors.items() for i in range(max(floor, 1))]
+    return tests + [entry(f"{next(iter(floors))}::test_cuda_only", "skipped", "env-blocked", "requires CUDA")]
+
+
+def job(step: str, build: int | None, *, shard: int = 0, shards: int = 1, status: str = "finished",
+        exit_code: int = 0, version: str = VERSION, wall: float = 300.0, tests: list[dict] | None = None,
+        earlier_attempts: list[dict] | None = None, run_id: str | None = None, retry: int = 0) -> dict:
+    """One job's summary.json: shard `shard` of build `build` (None: a run outside Buildkite).
+    Build n finishes on day n; without `tests`, the shard runs its round-robin share of passing()."""
+    if tests is None:
+        tests = [t for i, t in enumerate(passing(step)) if i % shards == shard]
+    finished = START + timedelta(days=build or 0, hours=gate.STEPS.index(step), minutes=shard + 10 * retry)
+    running = status == "running"
+    record = {
+        "schema": 1, "session": step, "run_id": run_id or f"0190-{build}/job-{step}-{shard}-{retry}",
+        "run": {"build_id": None if build is None else f"0190-{build}", "job_id": None if build is None else
+                f"job-{step}-{shard}-{retry}", "build_number": None if build is None else str(build),
+                "branch": "main", "commit": "0" * 40, "step_key": step, "pipeline": "specgate",
+                "retry_count": str(retry) if retry else None, "attempt": 1},
+        "shard": {"num_shards": shards, "shard_id": shard},
+        "started_at": (finished - timedelta(seconds=wall)).isoformat(),
+        "finished_at": None if running else finished.isoformat(),
+        "wall_s": None if running else wall, "status": status, "exit_code": None if running else exit_code,
+        "counts": summary.counts(tests), "tests": tests, "error": None, "host": HOST,
+        "vllm_version": version, "torch_version": "2.13.0+cpu", "env": {},
+        "earlier_attempts": earlier_attempts or [], "degraded": [],
+    }
+    jsonschema.validate(record, SCHEMA)
+    return record
+
+
+def build(number: int, shards: int = 2, steps: tuple[str, ...] = gate.STEPS, **options) -> list[dict]:
+    """Every shard of one build for the steps."""
+    return [job(step, number, shard=i, shards=shards, **options) for step in steps for i in range(shards)]
+
+
+def clean_history(builds: int = 5, shards: int = 2) -> list[dict]:
+    return [s for number in range(1, builds + 1) for s in build(number, shards)]
 
 
 def write_history(root: Path, summaries: list[dict]) -> Path:
-    """One folder per build, as downloaded artifacts land: <build>/artifacts/<session>/summary.json.
-    Build folders are named so that their alphabetical order is not their time order."""
+    """As downloaded artifacts land: <job folder>/artifacts/<session>/summary.json, in folders
+    whose alphabetical order is not the time order."""
     history = root / "history"
-    for index, summary in enumerate(summaries):
-        folder = history / f"build-{(7 * index) % 11:02d}-{index}" / "artifacts" / summary["session"]
+    for index, data in enumerate(summaries):
+        folder = history / f"job-{(7 * index) % 11:02d}-{index}" / "artifacts" / data["session"]
         folder.mkdir(parents=True)
-        (folder / "summary.json").write_text(json.dumps(summary))
+        (folder / "summary.json").write_text(json.dumps(data))
     return history
-
-
-def clean_history(days: int = 5) -> list[dict]:
-    return [s for day in range(days) for s in (unit_summary(day), e2e_summary(day))]
 
 
 @pytest.fixture(autouse=True)
 def artifacts_root(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "artifacts"
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(root))
+    for var in ("BUILDKITE_BUILD_ID", "BUILDKITE_JOB_ID", "SPECGATE_RUN_ID", "SPECGATE_ATTEMPT"):
+        monkeypatch.delenv(var, raising=False)
     return root
 
 
-def run_gate(tmp_path: Path, summaries: list[dict], *args: str) -> tuple[int, str]:
+def run_gate(tmp_path: Path, capsys, summaries: list[dict], *args: str) -> tuple[int, str]:
     history = write_history(tmp_path, summaries)
     code = gate.main(["--history", str(history), *args])
-    return code, history
+    return code, capsys.readouterr().out
 
 
 def written(artifacts_root: Path) -> dict:
-    return json.loads((artifacts_root / "gate" / "summary.json").read_text())
+    record = json.loads((artifacts_root / "gate" / "summary.json").read_text())
+    jsonschema.validate(record, SCHEMA)
+    return record
 
 
-def test_five_clean_runs_graduate(tmp_path, capsys, artifacts_root):
-    code, _ = run_gate(tmp_path, clean_history())
-    out = capsys.readouterr().out
+def blockers(artifacts_root: Path, step: str) -> list[str]:
+    return next(s for s in written(artifacts_root)["steps"] if s["step"] == step)["blockers"]
+
+
+def test_five_clean_builds_graduate(tmp_path, capsys, artifacts_root):
+    code, out = run_gate(tmp_path, capsys, clean_history())
     assert code == 0, out
-    assert "cpu_unit: may drop soft_fail: the last 5 runs are clean, none flaky, every skip explained" in out
-    assert "cpu_e2e: may drop soft_fail" in out
-    assert out.count(" clean ") >= 10  # the evidence table shows every run of the window
-    summary = written(artifacts_root)
-    assert summary["session"] == "gate" and summary["graduates"] is True and summary["exit_code"] == 0
-    assert [s["consecutive_clean"] for s in summary["steps"]] == [5, 5]
-    assert [len(s["window"]) for s in summary["steps"]] == [5, 5]
+    for step in gate.STEPS:
+        assert (f"{step}: may drop soft_fail: the last 5 runs are clean (all shards finished with exit 0, "
+                f"coverage kept), none flaky, p90 wall 300 s under the {GATE.budget_s[step]} s budget, "
+                "every skip explained") in out
+    rows = [line for line in out.splitlines() if line.startswith(("cpu_unit ", "cpu_e2e "))]
+    assert len(rows) == 10 and all(" 2/2 " in row and " 0,0 " in row and row.endswith("clean") for row in rows)
+    assert rows[0].split()[1:3] == ["build", "5"]   # newest first
+    record = written(artifacts_root)
+    assert record["session"] == "gate" and record["status"] == "finished" and record["exit_code"] == 0
+    assert [(t["nodeid"], t["outcome"], t["cause"], t["reason"]) for t in record["tests"]] == [
+        ("gate::cpu_unit", "passed", None, None), ("gate::cpu_e2e", "passed", None, None)]
+    unit = record["steps"][0]
+    assert unit["runs_in_history"] == 5 and unit["p90_wall_s"] == 300.0 and unit["budget_s"] == 1800
+    assert [run["run"] for run in unit["window"]] == [f"build {n}" for n in (5, 4, 3, 2, 1)]
+    assert all(run["clean"] and len(run["shards"]) == 2 for run in unit["window"])
+    junit = {r.nodeid.split("::")[-1]: r.outcome for r in pytestrun.read_junit(artifacts_root / "gate" / "junit.xml")}
+    assert junit == {"cpu_unit may drop soft_fail": "passed", "cpu_e2e may drop soft_fail": "passed"}
 
 
-def test_a_recent_failure_blocks(tmp_path, capsys, artifacts_root):
-    history = clean_history(6)
-    history[-2] = unit_summary(5, exit_code=1, t1=("failed", "failure", "failure: AssertionError: assert 3 == 4"))
-    code, _ = run_gate(tmp_path, history)
-    out = capsys.readouterr().out
+def test_shards_of_one_build_count_once(tmp_path, capsys, artifacts_root):
+    code, out = run_gate(tmp_path, capsys, clean_history(builds=3, shards=4))
     assert code == 1
-    assert "cpu_unit: keep soft_fail: only 0 consecutive clean run(s), 5 needed: the run of 2026-11-06T06:00:00+00:00" in out
-    assert "has exit 1, 1 test(s) with cause failure" in out
-    assert "cpu_e2e: may drop soft_fail" in out  # steps are judged on their own
-    assert written(artifacts_root)["steps"][0]["graduates"] is False
-    junit = {r.nodeid.split("::")[-1]: r for r in pytestrun.read_junit(artifacts_root / "gate" / "junit.xml")}
-    assert junit["cpu_unit may drop soft_fail"].outcome == "failed"
-    assert junit["cpu_e2e may drop soft_fail"].outcome == "passed"
+    assert "  - not enough evidence: 3 run(s) in the history, 5 needed" in out
+    assert blockers(artifacts_root, "cpu_unit") == ["not enough evidence: 3 run(s) in the history, 5 needed"]
+    assert run_gate(tmp_path / "fewer", capsys, clean_history(builds=3, shards=4), "--runs", "3")[0] == 0
 
 
-def test_a_failure_cause_blocks_even_with_exit_0(tmp_path, capsys):
+def test_runs_needed_come_from_the_manifest(tmp_path, capsys, artifacts_root):
+    assert GATE.runs == 5
+    code, _ = run_gate(tmp_path, capsys, clean_history(builds=6))
+    assert code == 0 and written(artifacts_root)["runs_needed"] == 5
+
+
+def test_a_missing_shard_blocks(tmp_path, capsys, artifacts_root):
+    history = [s for s in clean_history() if not (s["session"] == "cpu_e2e" and s["run"]["build_number"] == "4"
+                                                  and s["shard"]["shard_id"] == 1)]
+    code, out = run_gate(tmp_path, capsys, history)
+    assert code == 1
+    assert "cpu_unit: may drop soft_fail" in out     # steps are judged on their own
+    [blocker] = blockers(artifacts_root, "cpu_e2e")
+    assert blocker.startswith("build 4 (2026-11-05T07:00:00+00:00) not clean: shard(s) 1 of 2 missing")
+    assert " 1/2 " in next(line for line in out.splitlines() if line.startswith("cpu_e2e   build 4"))
+
+
+def test_a_run_that_exited_75_blocks_and_is_listed(tmp_path, capsys, artifacts_root):
+    history = [s for s in clean_history() if not (s["session"] == "cpu_unit" and s["run"]["build_number"] in ("2", "4")
+                                          and s["shard"]["shard_id"] == 0)]
+    history += [job("cpu_unit", n, shards=2, exit_code=75) for n in (2, 4)]
+    code, out = run_gate(tmp_path, capsys, history)
+    assert code == 1
+    found = blockers(artifacts_root, "cpu_unit")
+    assert "exited 75 (environment or cache incomplete, green today only by soft_fail): build 4, build 2" in found
+    assert any(b.startswith("build 4 ") and "not clean: shard 0 exited 75" in b for b in found)
+    assert " 75,0 " in next(line for line in out.splitlines() if line.startswith("cpu_unit  build 4"))
+
+
+def test_a_run_that_executed_nothing_blocks(tmp_path, capsys, artifacts_root):
+    skipped = [entry(f"{NGRAM}::test_{i}", "skipped", "env-blocked", "requires CUDA") for i in range(3)]
+    history = clean_history()[4:] + [job("cpu_unit", 1, tests=skipped), job("cpu_e2e", 1, tests=[])]
+    code, _ = run_gate(tmp_path, capsys, history)
+    assert code == 1
+    for step in gate.STEPS:
+        [blocker] = blockers(artifacts_root, step)
+        assert "not clean: executed no test; below the coverage floor" in blocker
+
+
+def test_a_lost_file_blocks(tmp_path, capsys, artifacts_root):
     history = clean_history()
-    history[4] = unit_summary(2, exit_code=0, t0=("failed", "failure", "failure: TypeError: propose()"))
-    code, _ = run_gate(tmp_path, history, "--step", "cpu_unit")
+    lost = [t for t in passing("cpu_unit") if not t["nodeid"].startswith(NGRAM)]
+    fewer = [t for t in passing("cpu_unit") if t["nodeid"] != f"{NGRAM}::test_0"]
+    history += [job("cpu_unit", 6, tests=lost), job("cpu_unit", 7, tests=fewer)]
+    code, _ = run_gate(tmp_path, capsys, history)
     assert code == 1
-    assert "only 2 consecutive clean run(s)" in capsys.readouterr().out
+    assert blockers(artifacts_root, "cpu_unit") == [
+        f"build 7 (2026-11-08T06:00:00+00:00) not clean: below the coverage floor (passed/floor): {NGRAM} 1/2",
+        f"build 6 (2026-11-07T06:00:00+00:00) not clean: below the coverage floor (passed/floor): {NGRAM} 0/2"]
 
 
-def test_an_old_failure_outside_the_window_does_not_block(tmp_path, capsys):
-    history = [unit_summary(0, exit_code=1, t0=("failed", "failure", "failure: crashed"))]
-    history += [unit_summary(day) for day in range(1, 6)]
-    code, _ = run_gate(tmp_path, history, "--step", "cpu_unit")
-    assert code == 0, capsys.readouterr().out
-
-
-def test_a_flaky_test_blocks(tmp_path, capsys):
-    history = clean_history()
-    # Failed once on an environment cause (exit 75, so the run itself is clean) and passed elsewhere.
-    history[4] = unit_summary(2, exit_code=75, t0=("failed", "env-blocked", "env-blocked: Triton CPU backend missing"))
-    code, _ = run_gate(tmp_path, history)
-    out = capsys.readouterr().out
+def test_a_vllm_version_without_floors_is_not_clean(tmp_path, capsys, artifacts_root):
+    code, _ = run_gate(tmp_path, capsys, clean_history() + build(6, steps=("cpu_unit",), version="0.33.0"))
     assert code == 1
-    assert f"cpu_unit: keep soft_fail: flaky: {UNIT_TESTS[0]} passed and failed on vLLM 0.32.0" in out
+    [blocker] = blockers(artifacts_root, "cpu_unit")
+    assert blocker.endswith('not clean: no coverage floor declared for vLLM 0.33.0 '
+                            '(manifest [gate.coverage."0.33.0".cpu_unit])')
 
 
-def test_pass_and_fail_on_different_vllm_versions_is_not_flaky(tmp_path, capsys):
-    history = [unit_summary(day, version="0.32.0") for day in range(3)]
-    history += [unit_summary(day, version="0.33.0", exit_code=75,
-                             t0=("failed", "env-blocked", "env-blocked: torchvision is not importable"))
-                for day in range(3, 5)]
-    code, _ = run_gate(tmp_path, history, "--step", "cpu_unit")
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "(note: 2 of them exited 75, which fails the build once soft_fail is gone)" in out
-
-
-def test_an_unexplained_skip_blocks(tmp_path, capsys):
-    history = clean_history()
-    history[3] = e2e_summary(1, skip_reason="  ")
-    code, _ = run_gate(tmp_path, history)
-    out = capsys.readouterr().out
+def test_a_test_that_passed_only_after_a_rerun_in_the_session_is_a_flake(tmp_path, capsys, artifacts_root):
+    tests = passing("cpu_unit")
+    tests[0] = entry(tests[0]["nodeid"], earlier=[{"attempt": 1, "nodeid": tests[0]["nodeid"], "outcome": "error",
+                                                    "cause": "cache-miss", "reason": "cache-miss: opt-125m"}])
+    code, out = run_gate(tmp_path, capsys, clean_history() + [job("cpu_unit", 6, tests=tests)])
     assert code == 1
-    assert ("cpu_e2e: keep soft_fail: unexplained skip: tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] "
-            "skipped without a reason") in out
+    assert blockers(artifacts_root, "cpu_unit") == [f"flaky: {tests[0]['nodeid']} passed only after a rerun (build 6)"]
+    assert f"  - flaky: {tests[0]['nodeid']} passed only after a rerun (build 6)" in out
+
+
+def test_a_test_that_passed_only_after_a_wrapper_rerun_is_a_flake(tmp_path, capsys, artifacts_root):
+    nodeid = f"{NGRAM}::test_1"
+    earlier = [{"attempt": 1, "status": "finished", "exit_code": 1, "failed": [nodeid]}]
+    code, _ = run_gate(tmp_path, capsys, clean_history() + [job("cpu_unit", 6, earlier_attempts=earlier)])
+    assert code == 1
+    assert blockers(artifacts_root, "cpu_unit") == [f"flaky: {nodeid} passed only after a rerun (build 6)"]
+
+
+def test_a_retried_buildkite_job_counts_once_and_its_earlier_failure_is_a_flake(tmp_path, capsys, artifacts_root):
+    nodeid = f"{NGRAM}::test_0"
+    first = [t if t["nodeid"] != nodeid else entry(nodeid, "failed", "failure", "failure: AssertionError")
+             for i, t in enumerate(passing("cpu_unit")) if i % 2 == 0]
+    history = clean_history() + build(6, steps=("cpu_unit",))
+    history.append(job("cpu_unit", 6, shards=2, shard=0, exit_code=1, tests=first, retry=0))
+    history = [s for s in history if not (s["run"]["build_number"] == "6" and s["shard"]["shard_id"] == 0
+                                          and s["exit_code"] == 0)]
+    history.append(job("cpu_unit", 6, shards=2, shard=0, retry=1))
+    code, out = run_gate(tmp_path, capsys, history)
+    assert code == 1
+    assert blockers(artifacts_root, "cpu_unit") == [f"flaky: {nodeid} passed only after a rerun (build 6)"]
+    assert " 2/2 " in next(line for line in out.splitlines() if line.startswith("cpu_unit  build 6"))
+
+
+def test_the_same_test_passing_and_failing_on_one_version_is_a_flake(tmp_path, capsys, artifacts_root):
+    nodeid = f"{NGRAM}::test_0"
+    tests = [t if t["nodeid"] != nodeid else entry(nodeid, "failed", "env-blocked", "env-blocked: no Triton")
+             for t in passing("cpu_unit")]
+    code, _ = run_gate(tmp_path, capsys, clean_history() + [job("cpu_unit", 6, exit_code=75, tests=tests)])
+    assert code == 1
+    assert f"flaky: {nodeid} both passed and failed on vLLM 0.32.0" in blockers(artifacts_root, "cpu_unit")
+
+
+def test_passing_and_failing_on_different_versions_is_not_a_flake(tmp_path, capsys, artifacts_root):
+    nodeid = f"{NGRAM}::test_0"
+    tests = [t if t["nodeid"] != nodeid else entry(nodeid, "failed", "env-blocked", "env-blocked: no Triton")
+             for t in passing("cpu_unit")]
+    history = clean_history() + [job("cpu_unit", 6, exit_code=75, version="0.33.0", tests=tests)]
+    code, _ = run_gate(tmp_path, capsys, history)
+    assert code == 1   # the 0.33.0 run exited 75 and has no floors, but nothing is flaky
+    found = blockers(artifacts_root, "cpu_unit")
+    assert not [b for b in found if "flaky" in b] and len(found) == 2
+
+
+def test_a_p90_wall_time_over_the_budget_blocks(tmp_path, capsys, artifacts_root):
+    budget = GATE.budget_s["cpu_e2e"]
+    history = clean_history() + build(6, steps=("cpu_e2e",), wall=budget + 100)
+    code, out = run_gate(tmp_path, capsys, history)
+    assert code == 1
+    assert blockers(artifacts_root, "cpu_e2e") == [f"p90 wall time {budget + 100} s is not under the {budget} s budget"]
     assert "cpu_unit: may drop soft_fail" in out
 
 
-def test_too_few_runs(tmp_path, capsys):
-    code, _ = run_gate(tmp_path, clean_history(4))
-    out = capsys.readouterr().out
+def test_the_p90_forgives_one_slow_run_in_ten(tmp_path, capsys, artifacts_root):
+    budget = GATE.budget_s["cpu_e2e"]
+    history = clean_history(builds=9) + build(10, steps=("cpu_e2e",), wall=budget + 100)
+    code, out = run_gate(tmp_path, capsys, history, "--runs", "10", "--step", "cpu_e2e")
+    assert code == 0, out
+    assert written(artifacts_root)["steps"][0]["p90_wall_s"] == 300.0
+
+
+def test_an_unexplained_skip_blocks(tmp_path, capsys, artifacts_root):
+    tests = passing("cpu_e2e")
+    tests[-1]["reason"] = "  "
+    code, _ = run_gate(tmp_path, capsys, clean_history() + [job("cpu_e2e", 6, tests=tests)])
     assert code == 1
-    assert "cpu_unit: keep soft_fail: only 4 run(s) in the history, 5 needed" in out
-    assert run_gate(tmp_path / "fewer", clean_history(4), "--runs", "4")[0] == 0
+    assert blockers(artifacts_root, "cpu_e2e") == [
+        f"unexplained skip: {tests[-1]['nodeid']} skipped without a reason (build 6)"]
+
+
+@pytest.mark.parametrize("status,exit_code,shown", [
+    ("running", None, "shard 1 never finished (status running)"),
+    ("crashed", 1, "shard 1 crashed"),
+    ("killed", 143, "shard 1 killed"),
+])
+def test_a_shard_that_did_not_finish_blocks(tmp_path, capsys, artifacts_root, status, exit_code, shown):
+    history = clean_history() + [job("cpu_unit", 6, shards=2, shard=0),
+                                 job("cpu_unit", 6, shards=2, shard=1, status=status, exit_code=exit_code or 0)]
+    code, _ = run_gate(tmp_path, capsys, history, "--step", "cpu_unit")
+    assert code == 1
+    [blocker] = blockers(artifacts_root, "cpu_unit")
+    assert blocker.startswith("build 6 (") and f"not clean: {shown}" in blocker
+
+
+def test_runs_without_a_build_id_are_each_their_own_run(tmp_path, capsys, artifacts_root):
+    local = [job("cpu_unit", None, run_id=f"local-{n}") for n in range(5)]
+    code, out = run_gate(tmp_path, capsys, local, "--step", "cpu_unit")
+    assert code == 0, out
+    assert sorted(run["run"] for run in written(artifacts_root)["steps"][0]["window"]) == [
+        f"run local-{n}" for n in range(5)]
 
 
 def test_other_sessions_are_ignored(tmp_path, capsys):
-    extra = [{"session": "gate", "exit_code": 1, "finished_at": START.isoformat(), "steps": []},
-             {"session": "warm_cache", "exit_code": 75}]
-    code, _ = run_gate(tmp_path, clean_history() + extra)
-    assert code == 0, capsys.readouterr().out
+    extra = [{"session": "gate", "exit_code": 1, "steps": []}, {"session": "warm_cache", "exit_code": 75}]
+    code, out = run_gate(tmp_path, capsys, clean_history() + extra)
+    assert code == 0, out
+
+
+def test_the_gate_reads_what_the_sessions_write(tmp_path, capsys, monkeypatch, artifacts_root):
+    """Summaries from specgate.summary itself, under Buildkite's job variables."""
+    history = tmp_path / "history"
+    for number in range(1, 6):
+        for shard in range(2):
+            monkeypatch.setenv("SPECGATE_ARTIFACTS", str(history / f"{number}-{shard}"))
+            monkeypatch.setenv("BUILDKITE_BUILD_ID", f"0190-{number}")
+            monkeypatch.setenv("BUILDKITE_BUILD_NUMBER", str(number))
+            monkeypatch.setenv("BUILDKITE_JOB_ID", f"job-{number}-{shard}")
+            record = summary.begin("cpu_unit")
+            record["shard"] = {"num_shards": 2, "shard_id": shard}
+            record["vllm_version"] = VERSION   # whatever this venv has installed
+            record["tests"] = [t for i, t in enumerate(passing("cpu_unit")) if i % 2 == shard]
+            jsonschema.validate(json.loads(summary.finish(record, 0).read_text()), SCHEMA)
+    for var in ("BUILDKITE_BUILD_ID", "BUILDKITE_BUILD_NUMBER", "BUILDKITE_JOB_ID"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SPECGATE_ARTIFACTS", str(artifacts_root))
+    code = gate.main(["--history", str(history), "--step", "cpu_unit"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert [run["run"] for run in written(artifacts_root)["steps"][0]["window"]] == [
+        f"build {n}" for n in (5, 4, 3, 2, 1)]
+
+
+def _single_error_line(out: str) -> str:
+    [line] = [line for line in out.splitlines() if line.startswith("error: ")]
+    return line
 
 
 @pytest.mark.parametrize("content,message", [
     ('{"session": "cpu_unit", "tests": [', "not readable JSON"),
     ('["cpu_unit"]', "not a JSON object"),
-    ('{"session": "cpu_unit", "finished_at": "2026-11-09T06:00:00+00:00", "tests": []}', "exit_code must be an integer"),
-    ('{"session": "cpu_e2e", "exit_code": 0, "finished_at": "yesterday", "results": []}', "is not an ISO time"),
-    ('{"session": "cpu_e2e", "exit_code": 0, "finished_at": "2026-11-09T06:00:00", "results": [{"outcome": "passed"}]}',
-     "'results' must be a list of objects with 'test' and 'outcome'"),
+    ('{"session": "cpu_unit", "exit_code": 0, "finished_at": "2026-11-09T06:00:00+00:00", "tests": []}',
+     "does not follow summary.schema.json: $: 'schema' is a required property"),
 ])
-def test_a_malformed_summary_exits_2_naming_the_file(tmp_path, capsys, content, message):
+def test_a_malformed_summary_exits_2_naming_the_file(tmp_path, capsys, artifacts_root, content, message):
     history = write_history(tmp_path, clean_history())
     bad = history / "build-99" / "cpu_unit" / "summary.json"
     bad.parent.mkdir(parents=True)
     bad.write_text(content)
     assert gate.main(["--history", str(history)]) == 2
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and out[0].startswith(f"error: {bad}: ") and message in out[0]
+    line = _single_error_line(capsys.readouterr().out)
+    assert line.startswith(f"error: {bad}: ") and message in line
+    assert written(artifacts_root)["exit_code"] == 2
 
 
-def test_a_missing_folder_exits_2(tmp_path, capsys):
+@pytest.mark.parametrize("change,message", [
+    (lambda s: s.update(status="done"), "$.status: 'done' is not one of"),
+    (lambda s: s["counts"].pop("executed"), "$.counts: 'executed' is a required property"),
+    (lambda s: s.update(finished_at="yesterday"), "$.finished_at"),
+    (lambda s: s["tests"][0].update(outcome="flaky"), "$.tests[0].outcome: 'flaky' is not one of"),
+    (lambda s: s["shard"].update(shard_id=-1), "$.shard.shard_id: -1 is less than the minimum of 0"),
+])
+def test_a_summary_that_breaks_the_schema_exits_2_naming_the_file(tmp_path, capsys, change, message):
+    bad = job("cpu_e2e", 6)
+    change(bad)
+    code, out = run_gate(tmp_path, capsys, clean_history() + [bad])
+    assert code == 2
+    line = _single_error_line(out)
+    assert line.startswith(f"error: {tmp_path / 'history'}/") and "/cpu_e2e/summary.json: " in line
+    assert "does not follow summary.schema.json: " in line and message in line
+
+
+def test_a_history_folder_that_does_not_exist_is_bad_input(tmp_path, capsys):
     assert gate.main(["--history", str(tmp_path / "nowhere")]) == 2
-    assert capsys.readouterr().out.strip() == f"error: history folder {tmp_path / 'nowhere'} does not exist"
+    assert _single_error_line(capsys.readouterr().out) == f"error: history folder {tmp_path / 'nowhere'} does not exist"
 
 
-def test_as_a_module_with_the_default_history(tmp_path, artifacts_root):
-    """`python -m specgate.gate` reads SPECGATE_ARTIFACTS/history by default."""
-    write_history(artifacts_root, clean_history(2))
-    env = {"SPECGATE_ARTIFACTS": str(artifacts_root), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "specgate.gate", "--runs", "2"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"== gate: summary written to {artifacts_root / 'gate' / 'summary.json'} -> exit 0 ==" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "specgate.gate", "--runs", "0"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--runs must be at least 1" in proc.stderr
+@pytest.mark.parametrize("args,message", [
+    (["--runs", "0"], "argument --runs: must be at least 1"),
+    (["--step", "warm_cache"], "argument --step: invalid choice: 'warm_cache'"),
+    (["-k", "ngram"], "unrecognized arguments: -k ngram (this session runs no pytest)"),
+])
+def test_bad_options_exit_2(capsys, args, message):
+    assert gate.main(args) == 2
+    assert message in _single_error_line(capsys.readouterr().out)
+
+
+def test_a_fresh_clone_has_no_history_which_is_not_enough_evidence(tmp_path):
+    """`python -m specgate.gate` as `nox -s gate` runs it, with the default (absent) history."""
+    root = tmp_path / "fresh" / "artifacts"
+    env = {"SPECGATE_ARTIFACTS": str(root), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "specgate.gate"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert (f"no history: {root / 'history'} does not exist (put past builds' artifacts there, "
+            "or pass --history DIR)") in proc.stdout
+    assert "(no cpu_unit or cpu_e2e runs in the history)" in proc.stdout
+    for step in gate.STEPS:
+        assert f"{step}: keep soft_fail:\n  - not enough evidence: 0 run(s) in the history, 5 needed" in proc.stdout
+    record = written(root)
+    assert record["history_found"] is False and record["exit_code"] == 1
+    assert [t["outcome"] for t in record["tests"]] == ["failed", "failed"]
+
+
+def test_a_step_without_a_budget_cannot_graduate(tmp_path, capsys, monkeypatch, artifacts_root):
+    text = (REPO / "manifest.toml").read_text()
+    assert "\ncpu_e2e = 3600" in text
+    (tmp_path / "manifest.toml").write_text(text.replace("\ncpu_e2e = 3600", "\n", 1))
+    monkeypatch.setenv("SPECGATE_MANIFEST", str(tmp_path / "manifest.toml"))
+    code, out = run_gate(tmp_path, capsys, clean_history())
+    assert code == 1 and "cpu_unit: may drop soft_fail" in out
+    assert blockers(artifacts_root, "cpu_e2e") == ["no timeout budget declared for cpu_e2e (manifest [gate.budget_s])"]
+
+
+def test_without_jsonschema_a_broken_summary_still_exits_2_naming_the_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "jsonschema", None)   # import jsonschema raises ImportError
+    bad = job("cpu_unit", 6)
+    del bad["counts"]
+    code, out = run_gate(tmp_path, capsys, clean_history() + [bad])
+    assert code == 2
+    line = _single_error_line(out)
+    assert line.startswith(f"error: {tmp_path / 'history'}/")
+    assert line.endswith("/cpu_unit/summary.json: does not follow summary.schema.json: KeyError: 'counts'")

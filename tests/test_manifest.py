@@ -47,6 +47,15 @@ BROKEN = [
     ('VLLM_CPU_CI_ENV = "1"', "VLLM_CPU_CI_ENV = 1", "key 'sessions.cpu_unit.env.VLLM_CPU_CI_ENV': expected a string"),
     ('constraints = "constraints/vllm-cpu.txt"', 'constraints = "constraints/nope.txt"',
      "key 'sessions.tests.constraints': expected an existing file"),
+    ("runs = 5", "runs = 0", "key 'gate.runs': expected a positive integer, got 0"),
+    ("cpu_unit = 1800", 'cpu_unit = "30m"',
+     "key 'gate.budget_s.cpu_unit': expected a positive integer, got '30m'"),
+    ("cpu_e2e = 3600", "cpu-e2e = 3600",
+     "key 'gate.budget_s.cpu-e2e': expected a session declared under [sessions]"),
+    ('[gate.coverage."0.32.0".cpu_unit]', '[gate.coverage."0.32.0".cpu_unti]',
+     "key 'gate.coverage.0.32.0.cpu_unti': expected a session declared under [sessions]"),
+    ('"tests/v1/spec_decode/test_ngram.py" = 2', '"tests/v1/spec_decode/test_ngram.py" = -2',
+     "key 'gate.coverage.0.32.0.cpu_unit.tests/v1/spec_decode/test_ngram.py': expected an integer >= 0, got -2"),
 ]
 
 
@@ -85,13 +94,34 @@ def test_unknown_method_is_rejected(tmp_path):
         m.load(path)
 
 
+def test_the_gate_section_holds_runs_budgets_and_the_measured_coverage():
+    gate = m.load().gate
+    assert gate.runs == 5
+    assert gate.budget_s == {"cpu_unit": 1800, "cpu_e2e": 3600}
+    unit = m.load().unit
+    assert set(gate.floors("0.32.0", "cpu_unit")) == set(unit.files)   # every pinned unit file has a floor
+    assert sum(gate.floors("0.32.0", "cpu_unit").values()) == 121
+    assert gate.floors("0.32.0", "cpu_e2e")
+    assert gate.floors("0.33.0", "cpu_unit") is None and gate.floors(None, "cpu_unit") is None
+
+
+def test_a_coverage_table_without_files_is_rejected(tmp_path):
+    path = tmp_path / "manifest.toml"
+    path.write_text(_base() + '\n[gate.coverage."0.33.0".cpu_unit]\n')
+    with pytest.raises(m.ManifestError, match=r"key 'gate.coverage.0.33.0.cpu_unit': expected a table of test "
+                                              r"file = passed tests, got \{\}"):
+        m.load(path)
+
+
 def test_session_with_malformed_manifest_exits_2_with_one_line(tmp_path):
     path = tmp_path / "manifest.toml"
     path.write_text(_base().replace("schema = 1", "schema = 7"))
     proc = subprocess.run([sys.executable, "-m", "specgate.selftest"], cwd=REPO, capture_output=True, text=True,
                           env={**_env(), "SPECGATE_MANIFEST": str(path)})
     assert proc.returncode == 2
-    assert proc.stdout.strip().splitlines() == ["error: manifest.toml: key 'schema': expected 1, got 7"]
+    lines = proc.stdout.strip().splitlines()
+    assert [line for line in lines if line.startswith("error:")] == ["error: manifest.toml: key 'schema': expected 1, got 7"]
+    assert "-> exit 2 (bad input)" in lines[-1] and len(lines) == 2
 
 
 def _env() -> dict[str, str]:
