@@ -1,6 +1,3 @@
-# /// script
-# dependencies = ["nox>=2025.2.9", "uv"]
-# ///
 """Sessions that gate vLLM speculative decoding on CPU. Logic lives in specgate/.
 
 Every session records its result in artifacts/<session>/summary.json and ends with
