@@ -26,13 +26,14 @@ import importlib.util
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from specgate import processes
 
 # vLLM's own counter names (vllm/v1/spec_decode/metrics.py), read through LLM.get_metrics().
 SPEC_COUNTERS = {
@@ -300,7 +301,8 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
     """Run each {"key", "llm", "prompts", "sampling"} through `generate`, in as few fresh
     processes as possible (`python -m specgate.engine`), one engine at a time. Returns
     key -> result; a run that got no result (its process crashed or timed out) gets an
-    error record. A timeout (timeout_s per engine) kills the process group."""
+    error record. A timeout (timeout_s per engine) ends the engine process and everything
+    it started."""
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     pending = list(runs)
@@ -308,15 +310,16 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
         attempt = len(list(workdir.glob("request-*.json")))
         request_path, result_path = workdir / f"request-{attempt}.json", workdir / f"result-{attempt}.json"
         request_path.write_text(json.dumps(pending), encoding="utf-8")
+        # In our process group, so a Buildkite timeout or cancel (which signals the group) reaches it.
         proc = subprocess.Popen([sys.executable, "-m", "specgate.engine", str(request_path), str(result_path)],
-                                env=env, start_new_session=True)
+                                env=env, preexec_fn=processes.die_with_parent)
         why = None
         try:
             code = proc.wait(timeout=timeout_s * len(pending))
             if code:
                 why = f"engine process exited {code}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            processes.end_process_tree(proc.pid)
             proc.wait()
             why = f"engine process timed out ({timeout_s:.0f} s per engine) and was killed"
         done = json.loads(result_path.read_text(encoding="utf-8"))["results"] if result_path.is_file() else {}
