@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
 """Render a CI step's summary.json as a Buildkite annotation.
 
-Usage: python3 scripts/annotate.py [--artifacts DIR] [SESSION ...]   (default: cpu_unit cpu_e2e)
+Usage: python3 scripts/annotate.py [--artifacts DIR] [--step-exit CODE] [SESSION ...]
+(default sessions: cpu_unit cpu_e2e)
 
-cpu_e2e's `results` become an acceptance table, cpu_unit's `tests` a table of the
-tests that did not pass with the cause and reason the classifier gave them. With
-`buildkite-agent` on PATH each table is posted with `buildkite-agent annotate`
-(one context per session and shard); without it the markdown is printed.
-A missing summary is reported, not an error (the step may have died before writing
-it). Stdlib only. Exit 2 with one line on a malformed summary.
+cpu_e2e's tests become an acceptance table, cpu_unit's a table of the tests that did
+not pass with the cause and reason the classifier gave them. With `buildkite-agent` on
+PATH each annotation is posted with `buildkite-agent annotate` (one context per session
+and shard); without it the markdown is printed.
+
+Only this job's summary is shown: on Buildkite (BUILDKITE_JOB_ID set) a summary written
+by another job is refused, never rendered as if it were this run. A summary that still
+says `running` means the session never finished its record (killed hard or timed out);
+--step-exit, the wrapper's exit status, tells a timeout (124, or 137 after the kill)
+from the rest. A missing summary is reported, not an error. Stdlib only (the agent's
+system python3 runs it). Exit 2 with one line on a malformed summary.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specgate.artifacts import artifacts_dir  # noqa: E402
+from specgate import summary as contract  # noqa: E402
 
 SESSIONS = ("cpu_unit", "cpu_e2e")
-E2E_COLUMNS = (("test", "test"), ("method", "method"), ("model_source", "model source"), ("runner", "runner"),
-               ("outcome", "outcome"), ("acceptance_len", "acceptance len"), ("threshold", "threshold"))
+STATUSES = ("running", *contract.FINAL)
+TIMEOUTS = (124, 137)   # GNU timeout: the command timed out; 137 when it also had to SIGKILL
+E2E_COLUMNS = (("nodeid", "test"), ("method", "method"), ("model_source", "model source"), ("runner", "runner"),
+               ("outcome", "outcome"), ("acceptance_len", "acceptance len"), ("threshold", "threshold"),
+               ("matches_baseline", "matches baseline"))
 
 
 class BadSummary(Exception):
@@ -38,6 +47,8 @@ class BadSummary(Exception):
 def cell(value: Any) -> str:
     if value is None or value == "":
         return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.3f}"
     return " ".join(str(value).split()).replace("|", "\\|")
@@ -50,46 +61,33 @@ def table(headers: list[str], rows: list[list[Any]], right: set[int] = frozenset
     return "\n".join(lines)
 
 
-def heading(session: str, summary: dict, detail: str) -> str:
+def title(session: str) -> str:
     shard = os.environ.get("BUILDKITE_PARALLEL_JOB")
-    where = f" shard {shard}" if shard else ""
-    return (f"#### {session}{where}: {detail} (vLLM {summary.get('vllm_version') or 'unknown'}, "
-            f"exit {summary.get('exit_code')})")
+    return f"#### {session}" + (f" shard {shard}" if shard else "")
 
 
-def render_e2e(summary: dict) -> str:
-    results = summary.get("results")
-    if not isinstance(results, list):
-        raise BadSummary("cpu_e2e summary has no 'results' list")
-    counts = Counter(r.get("outcome") for r in results)
-    detail = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no results"
-    rows = [[r.get(key) for key, _ in E2E_COLUMNS] for r in results]
-    skips = [f"- {cell(r.get('test'))}: {cell(r.get('skip_reason'))}" for r in results if r.get("outcome") == "skipped"]
-    notes = "\n\nSkipped:\n" + "\n".join(skips) if skips else ""
-    return heading("cpu_e2e", summary, detail) + "\n\n" + table([h for _, h in E2E_COLUMNS], rows, right={5, 6}) + notes
+def tally(tests: list[dict]) -> str:
+    counts = Counter(t["outcome"] for t in tests)
+    return ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no tests"
 
 
-def render_unit(summary: dict) -> str:
-    tests = summary.get("tests")
-    if not isinstance(tests, list):
-        raise BadSummary("cpu_unit summary has no 'tests' list")
-    counts = Counter(t.get("outcome") for t in tests)
-    detail = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no tests"
-    others = [t for t in tests if t.get("outcome") != "passed"]
+def render_e2e(tests: list[dict]) -> str:
+    rows = [[t.get(key) for key, _ in E2E_COLUMNS] for t in tests]
+    notes = [f"- {cell(t['nodeid'])} ({t['outcome']}, {cell(t.get('cause'))}): {cell(t.get('reason'))}"
+             for t in tests if t["outcome"] != "passed"]
+    body = table([h for _, h in E2E_COLUMNS], rows, right={5, 6})
+    return body + ("\n\nNot passed:\n" + "\n".join(notes) if notes else "")
+
+
+def render_unit(tests: list[dict]) -> str:
+    others = [t for t in tests if t["outcome"] != "passed"]
     if not others:
-        body = f"All {len(tests)} tests passed." if tests else "No test ran."
-    else:
-        rows = [[t.get("nodeid"), t.get("outcome"), t.get("cause"), t.get("reason")] for t in others]
-        body = "Tests that did not pass, with their causes:\n\n" + table(["test", "outcome", "cause", "reason"], rows)
-    return heading("cpu_unit", summary, detail) + "\n\n" + body
+        return f"All {len(tests)} tests passed." if tests else "No test ran."
+    rows = [[t["nodeid"], t["outcome"], t.get("cause"), t.get("reason")] for t in others]
+    return "Tests that did not pass, with their causes:\n\n" + table(["test", "outcome", "cause", "reason"], rows)
 
 
 RENDERERS = {"cpu_unit": render_unit, "cpu_e2e": render_e2e}
-
-
-def style(summary: dict) -> str:
-    code = summary.get("exit_code")
-    return "success" if code == 0 else "warning" if code == 75 else "error"
 
 
 def load(path: Path) -> dict | None:
@@ -98,22 +96,69 @@ def load(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise BadSummary(f"{path}: not readable JSON ({exc})") from None
+        raise BadSummary(f"not readable JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise BadSummary(f"{path}: not a JSON object")
+        raise BadSummary("not a JSON object")
     return data
 
 
-def annotation(session: str, root: Path | None = None) -> tuple[str, str]:
+def check(summary: dict, session: str) -> None:
+    """The fields this script reads, in the shape specgate/summary.schema.json gives them."""
+    if summary.get("session") != session:
+        raise BadSummary(f"'session' is {summary.get('session')!r}, not {session!r}")
+    if summary.get("status") not in STATUSES:
+        raise BadSummary(f"'status' is {summary.get('status')!r}, not one of {', '.join(STATUSES)}")
+    if not isinstance(summary.get("run"), dict):
+        raise BadSummary("no 'run' object")
+    tests = summary.get("tests")
+    if not isinstance(tests, list):
+        raise BadSummary("no 'tests' list")
+    for test in tests:
+        if not (isinstance(test, dict) and isinstance(test.get("nodeid"), str)
+                and test.get("outcome") in contract.OUTCOMES):
+            raise BadSummary(f"a test entry without a nodeid and a known outcome: {json.dumps(test)[:200]}")
+
+
+def headline(summary: dict, timed_out: bool) -> str:
+    """What happened to the run: its counts, or why it has none."""
+    status = summary["status"]
+    if status == "running":
+        what = "did not finish: its summary still says running"
+    elif status in ("killed", "crashed"):
+        what = f"{status}: {cell(summary.get('error') or 'no error recorded')}"
+    else:
+        what = tally(summary["tests"])
+    return f"timed out; {what}" if timed_out else what
+
+
+def style(status: str, code: int | None) -> str:
+    if status != "finished":
+        return "error"
+    return {0: "success", 75: "warning"}.get(code, "error")
+
+
+def annotation(session: str, root: Path | None = None, step_exit: int | None = None) -> tuple[str, str]:
     """(style, markdown) for one session; root defaults to the harness's artifacts folder."""
-    path = (root / session if root else artifacts_dir(session)) / "summary.json"
-    summary = load(path)
-    if summary is None:
-        return "error", f"#### {session}: no summary at {path} (the step ended before writing it)"
+    path = root / session / "summary.json" if root else contract.path(session)
     try:
-        return style(summary), RENDERERS[session](summary)
+        summary = load(path)
+        if summary is not None:
+            check(summary, session)
     except BadSummary as exc:
         raise BadSummary(f"{path}: {exc}") from None
+    if summary is None:
+        ended = f"the step exited {step_exit}" if step_exit is not None else "the step ended"
+        return "error", f"{title(session)}: no summary at {path} ({ended} before writing it)"
+    job, found = os.environ.get("BUILDKITE_JOB_ID"), summary["run"].get("job_id")
+    if job and found != job:
+        where = f"job {found}" if found else "a run outside Buildkite"
+        return "error", f"{title(session)}: no summary from this job (found one from {where})"
+    code = summary.get("exit_code") if step_exit is None else step_exit  # the step's status is what Buildkite sees
+    versions = f"vLLM {summary.get('vllm_version') or 'unknown'}" + (f", exit {code}" if code is not None else "")
+    markdown = f"{title(session)}: {headline(summary, step_exit in TIMEOUTS)} ({versions})"
+    if summary["tests"] or summary["status"] == "finished":  # what ran before a kill is still worth showing
+        markdown += "\n\n" + RENDERERS[session](summary["tests"])
+    return style(summary["status"], code), markdown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sessions", nargs="*", metavar="SESSION", help=f"one of {', '.join(SESSIONS)} (default: both)")
     p.add_argument("--artifacts", type=Path, default=None,
                    help="the artifacts folder (default $SPECGATE_ARTIFACTS or artifacts/)")
+    p.add_argument("--step-exit", type=int, default=None, metavar="CODE",
+                   help="the step's exit status from scripts/run-cpu-test.sh (124 and 137 are timeouts)")
     args = p.parse_args(argv)
     if unknown := [s for s in args.sessions if s not in SESSIONS]:
         print(f"annotate: unknown session {unknown[0]!r} (expected {' or '.join(SESSIONS)})", file=sys.stderr)
@@ -128,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = shutil.which("buildkite-agent")
     for session in args.sessions or SESSIONS:
         try:
-            kind, markdown = annotation(session, args.artifacts)
+            kind, markdown = annotation(session, args.artifacts, args.step_exit)
         except BadSummary as exc:
             print(f"annotate: {exc}", file=sys.stderr)
             return 2

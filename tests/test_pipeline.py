@@ -1,5 +1,6 @@
-"""The Buildkite pipeline: it parses, names real nox sessions, soft-fails only on 75,
-runs every step through the wrapper, and its annotations render from summaries."""
+"""The Buildkite pipeline: it is valid for Buildkite's schema, names real nox sessions,
+soft-fails only on 75, runs every step through the wrapper, skips only what if_changed
+allows, and its annotations render this job's summary (never another's)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
+
+from specgate import summary as contract
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = REPO / ".buildkite" / "pipeline.yml"
@@ -52,8 +56,8 @@ def test_every_step_runs_through_the_wrapper_and_keeps_its_status(steps):
         assert match, f"{step['key']}: first command does not go through the wrapper: {lines[0]}"
         assert TIMEOUT_FORM.match(match.group(1)), match.group(1)
         assert lines[-1] == "exit $${status:-0}"
-        for middle in lines[1:-1]:  # only the annotation, which may never fail the step
-            assert re.fullmatch(r"python3 scripts/annotate\.py (cpu_unit|cpu_e2e) \|\| true", middle), middle
+        for middle in lines[1:-1]:  # only the annotation, told the wrapper's status, which may never fail the step
+            assert middle == f'python3 scripts/annotate.py {step["key"]} --step-exit "$${{status:-0}}" || true', middle
 
 
 def test_commands_parse_as_bash_and_escape_every_dollar(steps):
@@ -64,16 +68,23 @@ def test_commands_parse_as_bash_and_escape_every_dollar(steps):
         assert proc.returncode == 0, proc.stderr
 
 
-def test_the_wrapper_status_survives_the_annotation(steps, tmp_path):
+@pytest.mark.parametrize("code", [75, 124])
+def test_the_wrapper_status_survives_the_annotation(steps, tmp_path, code):
     """Run a step's command block as the agent does (bash -e), with the wrapper's place
-    taken by a command that exits 75: the step must exit 75, annotated or not."""
+    taken by a command that exits `code`: the step must exit with it, annotated or not,
+    and the annotation is told it."""
     for step in steps:
         lines = [interpolated(line) for line in commands(step)]
-        lines[0] = re.sub(r'^bash scripts/run-cpu-test\.sh \S+ "[^"]+"', "bash -c 'exit 75'", lines[0])
-        env = {**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+        lines[0] = re.sub(r'^bash scripts/run-cpu-test\.sh \S+ "[^"]+"', f"bash -c 'exit {code}'", lines[0])
+        artifacts = tmp_path / str(code)
+        env = {**outside_buildkite(), "SPECGATE_ARTIFACTS": str(artifacts),
+               "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
         proc = subprocess.run(["bash", "-e", "-c", "\n".join(lines)], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=60)
-        assert proc.returncode == 75, (step["key"], proc.stdout, proc.stderr)
+        assert proc.returncode == code, (step["key"], proc.stdout, proc.stderr)
+        if step["key"] != "warm_cache":
+            assert (f"#### {step['key']}: no summary at {artifacts}/{step['key']}/summary.json "
+                    f"(the step exited {code} before writing it)") in proc.stdout
 
 
 def test_every_named_session_exists_in_the_noxfile(steps):
@@ -82,8 +93,8 @@ def test_every_named_session_exists_in_the_noxfile(steps):
         for line in commands(step):
             names.update(re.findall(r"(?:nox|noxw\.py)\s+(?:\S+\s+)*?-s\s+(\w+)", line))
     assert names == {"warm_cache", "cpu_unit", "cpu_e2e"}
-    proc = subprocess.run([sys.executable, "-m", "nox", "-l", "--json", "-s", *sorted(names)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "nox", "-l", "--json", "-s", *sorted(names)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     listed = {entry["session"] for entry in json.loads(proc.stdout)}
     assert names <= listed
@@ -106,77 +117,155 @@ def test_sharded_steps_pass_the_shard_options(steps):
         assert first.index(" -- --num-shards") > first.index(f"-s {step['key']}")  # session options follow nox's --
 
 
-def test_artifacts_and_source_dependencies(steps):
+def test_the_pipeline_is_valid_for_buildkite(tmp_path):
+    """check-jsonschema's bundled copy of Buildkite's published schema (no download: any
+    request would go to a proxy that refuses). It rejects a key Buildkite does not know,
+    such as vLLM's own source_file_dependencies."""
+    offline = {**os.environ, "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+
+    def validate(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.buildkite",
+                               str(path)], capture_output=True, text=True, env=offline, timeout=120)
+
+    proc = validate(PIPELINE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok -- validation done" in proc.stdout
+    vllm_style = tmp_path / "pipeline.yml"
+    vllm_style.write_text(PIPELINE.read_text().replace("if_changed:", "source_file_dependencies:"))
+    proc = validate(vllm_style)
+    assert proc.returncode == 1 and "Schema validation errors" in proc.stdout
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """Buildkite's glob syntax: * and ? stop at /, ** does not; the whole path must match."""
+    parts = re.split(r"(\*\*|\*|\?)", pattern)
+    special = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
+    return re.compile("".join(special.get(part, re.escape(part)) for part in parts))
+
+
+def test_if_changed_names_what_each_step_runs(steps):
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    by_key = {s["key"]: s for s in steps}
     for step in steps:
+        assert "source_file_dependencies" not in step, "vLLM's generator reads it, Buildkite does not"
         assert "artifacts/**" in step["artifact_paths"]
-        deps = step["source_file_dependencies"]
-        assert {"specgate/", "manifest.toml", "constraints/", "noxfile.py"} <= set(deps)
-        for dep in deps:
-            assert (REPO / dep).exists(), f"{step['key']}: {dep} does not exist"
-    e2e = next(s for s in steps if s["key"] == "cpu_e2e")
-    assert "tests/e2e/" in e2e["source_file_dependencies"]
+        globs = step["if_changed"]
+        assert {"specgate/**", "manifest.toml", "constraints/**", "noxfile.py"} <= set(globs)
+        for glob in globs:
+            assert any(_glob_regex(glob).fullmatch(f) for f in files), f"{step['key']}: {glob} matches no file"
+    assert "tests/e2e/**" in by_key["cpu_e2e"]["if_changed"]
+    for step in steps:  # a step never runs while the step it depends on was skipped
+        if "depends_on" in step:
+            assert set(step["if_changed"]) <= set(by_key[step["depends_on"]]["if_changed"]), step["key"]
 
 
 # --- annotations ---------------------------------------------------------------------------------
-E2E = {"vllm_version": "0.32.0", "exit_code": 1, "finished_at": "2026-11-29T22:00:00+00:00", "results": [
-    {"test": "tests/e2e/test_spec_decode.py::test_acceptance[eagle3-tiny-qwen3]", "method": "eagle3",
-     "model_source": "fixture", "runner": "v1", "outcome": "passed", "acceptance_len": 4.0, "threshold": 3.5},
-    {"test": "tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3]", "method": "ngram",
-     "model_source": "hub", "runner": "v1", "outcome": "failed", "acceptance_len": 1.31, "threshold": 2.0},
-    {"test": "tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5]", "method": "mtp", "model_source": "fixture",
-     "runner": "v1", "outcome": "skipped", "acceptance_len": None, "threshold": 2.0,
-     "skip_reason": "env-blocked: torchvision is not importable (No module named 'torchvision')"},
-]}
-UNIT = {"vllm_version": "0.32.0", "exit_code": 75, "finished_at": "2026-11-29T22:00:00+00:00", "tests": [
-    {"nodeid": "tests/v1/spec_decode/test_ngram.py::test_ngram_proposer", "outcome": "passed", "cause": None, "reason": None},
-    {"nodeid": "tests/v1/spec_decode/test_dflash2.py::test_fused[a|b]", "outcome": "failed", "cause": "env-blocked",
-     "reason": "env-blocked: Triton CPU backend missing (a Triton kernel was launched)"},
-]}
+BUILD, JOB = "0190-build", "0190-job-a"
+ON_BUILDKITE = {"BUILDKITE_BUILD_ID": BUILD, "BUILDKITE_JOB_ID": JOB, "BUILDKITE_STEP_KEY": "cpu_e2e"}
 
 
-def _write_summaries(root: Path) -> None:
-    for session, summary in (("cpu_e2e", E2E), ("cpu_unit", UNIT)):
-        (root / session).mkdir(parents=True)
-        (root / session / "summary.json").write_text(json.dumps({"session": session, **summary}))
+def outside_buildkite() -> dict[str, str]:
+    """This environment without Buildkite's job variables (the tests may run on an agent)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("BUILDKITE_")}
+
+
+def entry(nodeid: str, outcome: str, cause: str | None = None, reason: str | None = None, **extras) -> dict:
+    return {"nodeid": nodeid, "outcome": outcome, "cause": cause, "reason": reason, "time_s": 1.5, **extras}
+
+
+def e2e(name: str, outcome: str, method: str, source: str, acceptance: float | None, threshold: float,
+        matches: bool | None, cause: str | None = None, reason: str | None = None) -> dict:
+    return entry(f"tests/e2e/test_spec_decode.py::test_acceptance[{name}]", outcome, cause, reason, method=method,
+                 model_source=source, runner="v1", acceptance_len=acceptance, threshold=threshold,
+                 matches_baseline=matches)
+
+
+E2E_TESTS = [
+    e2e("eagle3-tiny-qwen3", "passed", "eagle3", "fixture", 4.0, 3.5, True),
+    e2e("ngram-tiny-qwen3", "failed", "ngram", "hub", 1.31, 2.0, False, "regression", "acceptance 1.310 < floor 2.000"),
+    e2e("mtp-qwen3_5", "skipped", "mtp", "fixture", None, 2.0, None, "env-blocked",
+        "torchvision is not importable (No module named 'torchvision')"),
+]
+UNIT_TESTS = [
+    entry("tests/v1/spec_decode/test_ngram.py::test_ngram_proposer", "passed"),
+    entry("tests/v1/spec_decode/test_dflash2.py::test_fused[a|b]", "failed", "env-blocked",
+          "Triton CPU backend missing (a Triton kernel was launched)"),
+]
+
+
+@pytest.fixture
+def write_summary(tmp_path, monkeypatch):
+    """Write artifacts/<session>/summary.json through specgate.summary, as a session does,
+    and check it against the contract's schema. Returns the artifacts folder's path."""
+    monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path / "artifacts"))
+    validator = jsonschema.Draft202012Validator(contract.load_schema())
+
+    def write(session: str, tests: list[dict], code: int | None, *, status: str = "finished",
+              error: str | None = None, environ: dict | None = None) -> Path:
+        record = contract.begin(session, environ=environ or {})
+        record.update(tests=tests, vllm_version="0.32.0")
+        if status == "running":  # the session never got to finish its record
+            path = contract.write(record)
+        else:
+            path = contract.finish(record, code, status=status, error=error)
+        validator.validate(json.loads(path.read_text()))
+        return tmp_path / "artifacts"
+
+    return write
 
 
 def _annotate(*args: str, path_dirs: list[Path] = (), env: dict | None = None) -> subprocess.CompletedProcess:
     path = os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"])
     return subprocess.run([sys.executable, str(ANNOTATE), *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": path, **(env or {})})
+                          env={**outside_buildkite(), "PATH": path, **(env or {})})
 
 
-def test_annotate_renders_the_acceptance_and_causes_tables(tmp_path):
-    _write_summaries(tmp_path)
-    proc = _annotate("--artifacts", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert "#### cpu_e2e: 1 failed, 1 passed, 1 skipped (vLLM 0.32.0, exit 1)" in out
-    assert "| test | method | model source | runner | outcome | acceptance len | threshold |" in out
-    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3] | ngram | hub | v1 | failed | 1.310 "
-            "| 2.000 |") in out
-    assert "| tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] | mtp | fixture | v1 | skipped | – | 2.000 |" in out
-    assert "- tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5]: env-blocked: torchvision is not importable" in out
-    assert "#### cpu_unit: 1 failed, 1 passed (vLLM 0.32.0, exit 75)" in out
-    assert ("| tests/v1/spec_decode/test_dflash2.py::test_fused[a\\|b] | failed | env-blocked | env-blocked: Triton CPU "
-            "backend missing (a Triton kernel was launched) |") in out
-    assert "test_ngram_proposer" not in out  # passes are counted, not listed
-
-
-def test_annotate_posts_through_buildkite_agent_when_it_exists(tmp_path):
+def _agent(tmp_path: Path) -> tuple[Path, Path]:
     """buildkite-agent is not installed here: a stand-in on PATH records how it is called."""
-    _write_summaries(tmp_path / "artifacts")
-    bin_dir = tmp_path / "bin"
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
-    calls = tmp_path / "calls.jsonl"
     agent = bin_dir / "buildkite-agent"
     agent.write_text(f"#!{sys.executable}\nimport json, sys\n"
                      f"open({str(calls)!r}, 'a').write(json.dumps([sys.argv[1:], sys.stdin.read()]) + '\\n')\n")
     agent.chmod(0o755)
-    proc = _annotate("--artifacts", str(tmp_path / "artifacts"), "cpu_unit", "cpu_e2e", path_dirs=[bin_dir],
-                     env={"BUILDKITE_PARALLEL_JOB": "1"})
+    return bin_dir, calls
+
+
+def _posted(calls: Path) -> list[tuple[list[str], str]]:
+    return [tuple(json.loads(line)) for line in calls.read_text().splitlines()]
+
+
+def test_annotate_renders_the_acceptance_and_causes_tables(write_summary):
+    write_summary("cpu_e2e", E2E_TESTS, 1)
+    root = write_summary("cpu_unit", UNIT_TESTS, 75)
+    proc = _annotate("--artifacts", str(root))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "#### cpu_e2e: 1 failed, 1 passed, 1 skipped (vLLM 0.32.0, exit 1)" in out
+    assert "| test | method | model source | runner | outcome | acceptance len | threshold | matches baseline |" in out
+    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3] | ngram | hub | v1 | failed | 1.310 "
+            "| 2.000 | no |") in out
+    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] | mtp | fixture | v1 | skipped | – | 2.000 "
+            "| – |") in out
+    assert ("- tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] (skipped, env-blocked): torchvision is not "
+            "importable") in out
+    assert "#### cpu_unit: 1 failed, 1 passed (vLLM 0.32.0, exit 75)" in out
+    assert ("| tests/v1/spec_decode/test_dflash2.py::test_fused[a\\|b] | failed | env-blocked | Triton CPU "
+            "backend missing (a Triton kernel was launched) |") in out
+    assert "test_ngram_proposer" not in out  # passes are counted, not listed
+
+
+def test_annotate_posts_through_buildkite_agent_when_it_exists(write_summary, tmp_path):
+    on_job = {**ON_BUILDKITE, "BUILDKITE_PARALLEL_JOB": "1"}
+    write_summary("cpu_unit", UNIT_TESTS, 75, environ=on_job)
+    root = write_summary("cpu_e2e", E2E_TESTS, 1, environ=on_job)
+    bin_dir, calls = _agent(tmp_path)
+    proc = _annotate("--artifacts", str(root), "--step-exit", "75", "cpu_unit", path_dirs=[bin_dir], env=on_job)
     assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
-    posted = [json.loads(line) for line in calls.read_text().splitlines()]
+    proc = _annotate("--artifacts", str(root), "--step-exit", "1", "cpu_e2e", path_dirs=[bin_dir], env=on_job)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+    posted = _posted(calls)
     assert [args for args, _ in posted] == [
         ["annotate", "--style", "warning", "--context", "specgate-cpu_unit-1"],
         ["annotate", "--style", "error", "--context", "specgate-cpu_e2e-1"],
@@ -185,14 +274,74 @@ def test_annotate_posts_through_buildkite_agent_when_it_exists(tmp_path):
     assert "| acceptance len |" in posted[1][1]
 
 
-def test_annotate_reports_a_missing_summary_and_rejects_a_malformed_one(tmp_path):
+def test_annotate_never_shows_another_jobs_summary(write_summary, tmp_path):
+    """The previous run's green summary, found by the next job (which died before writing
+    its own), is refused: only BUILDKITE_JOB_ID's summary is rendered."""
+    root = write_summary("cpu_e2e", E2E_TESTS[:1], 0, environ={**ON_BUILDKITE, "BUILDKITE_JOB_ID": "0190-job-old"})
+    bin_dir, calls = _agent(tmp_path)
+    proc = _annotate("--artifacts", str(root), "--step-exit", "1", "cpu_e2e", path_dirs=[bin_dir], env=ON_BUILDKITE)
+    assert proc.returncode == 0, proc.stderr
+    [(args, markdown)] = _posted(calls)
+    assert args[:3] == ["annotate", "--style", "error"]
+    assert markdown == "#### cpu_e2e: no summary from this job (found one from job 0190-job-old)"
+    # Outside Buildkite there is no job to compare with: the summary is shown.
+    proc = _annotate("--artifacts", str(root), "cpu_e2e")
+    assert "#### cpu_e2e: 1 passed (vLLM 0.32.0, exit 0)" in proc.stdout
+
+
+@pytest.mark.parametrize("step_exit,said", [
+    (None, "#### cpu_e2e: did not finish: its summary still says running (vLLM 0.32.0)"),
+    ("124", "#### cpu_e2e: timed out; did not finish: its summary still says running (vLLM 0.32.0, exit 124)"),
+    ("137", "#### cpu_e2e: timed out; did not finish: its summary still says running (vLLM 0.32.0, exit 137)"),
+])
+def test_annotate_says_a_run_did_not_finish(write_summary, tmp_path, step_exit, said):
+    root = write_summary("cpu_e2e", [], None, status="running", environ=ON_BUILDKITE)
+    bin_dir, calls = _agent(tmp_path)
+    args = ["--step-exit", step_exit] if step_exit else []
+    proc = _annotate("--artifacts", str(root), *args, "cpu_e2e", path_dirs=[bin_dir], env=ON_BUILDKITE)
+    assert proc.returncode == 0, proc.stderr
+    assert _posted(calls) == [(["annotate", "--style", "error", "--context", "specgate-cpu_e2e-0"], said)]
+
+
+def test_annotate_says_killed_or_crashed_with_the_error(write_summary):
+    root = write_summary("cpu_e2e", E2E_TESTS[:1], 1, status="killed", error="SIGTERM: the step timed out",
+                         environ=ON_BUILDKITE)
+    proc = _annotate("--artifacts", str(root), "--step-exit", "124", "cpu_e2e", env=ON_BUILDKITE)
+    assert proc.stdout.startswith("#### cpu_e2e: timed out; killed: SIGTERM: the step timed out "
+                                  "(vLLM 0.32.0, exit 124)")
+    assert "test_acceptance[eagle3-tiny-qwen3]" in proc.stdout  # what ran before the kill
+    root = write_summary("cpu_unit", [], 1, status="crashed", error="ManifestError: manifest.toml: missing")
+    proc = _annotate("--artifacts", str(root), "--step-exit", "1", "cpu_unit")
+    assert proc.stdout.strip() == "#### cpu_unit: crashed: ManifestError: manifest.toml: missing (vLLM 0.32.0, exit 1)"
+
+
+def test_annotate_reports_a_missing_summary(tmp_path):
     proc = _annotate("--artifacts", str(tmp_path), "cpu_unit")
     assert proc.returncode == 0
-    assert f"#### cpu_unit: no summary at {tmp_path}/cpu_unit/summary.json" in proc.stdout
+    assert proc.stdout.strip() == (f"#### cpu_unit: no summary at {tmp_path}/cpu_unit/summary.json "
+                                   "(the step ended before writing it)")
+    proc = _annotate("--artifacts", str(tmp_path), "--step-exit", "137", "cpu_unit")
+    assert "(the step exited 137 before writing it)" in proc.stdout
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"tests": [', "not readable JSON"),
+    ("[]", "not a JSON object"),
+    ('{"session": "cpu_e2e", "status": "finished", "run": {}, "results": []}', "no 'tests' list"),  # the old contract
+    ('{"session": "cpu_e2e", "status": "done", "run": {}, "tests": []}', "'status' is 'done'"),
+    ('{"session": "cpu_unit", "status": "finished", "run": {}, "tests": []}', "'session' is 'cpu_unit'"),
+    ('{"session": "cpu_e2e", "status": "finished", "run": {}, "tests": [{"test": "x", "outcome": "passed"}]}',
+     "a test entry without a nodeid"),
+])
+def test_annotate_rejects_a_malformed_summary_with_one_line(tmp_path, text, problem):
     (tmp_path / "cpu_e2e").mkdir()
-    (tmp_path / "cpu_e2e" / "summary.json").write_text('{"results": [')
+    (tmp_path / "cpu_e2e" / "summary.json").write_text(text)
     proc = _annotate("--artifacts", str(tmp_path), "cpu_e2e")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and f"{tmp_path}/cpu_e2e/summary.json: not readable JSON" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and f"{tmp_path}/cpu_e2e/summary.json: {problem}" in proc.stderr
+
+
+def test_annotate_rejects_an_unknown_session():
     proc = _annotate("cpu_bench")
-    assert proc.returncode == 2 and proc.stderr.strip() == "annotate: unknown session 'cpu_bench' (expected cpu_unit or cpu_e2e)"
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "annotate: unknown session 'cpu_bench' (expected cpu_unit or cpu_e2e)"
