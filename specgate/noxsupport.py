@@ -121,7 +121,12 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     finally:
         _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
                       "session finished its summary")
-        SESSION_CODES[session.name] = exitcodes.normal(code)
+    conclude(session, code)
+
+
+def conclude(session: nox.Session, code: int) -> None:
+    """Record the session's code for the nox call's exit status; fail the session unless it passed."""
+    SESSION_CODES[session.name] = exitcodes.normal(code)
     if code:
         session.error(f"{session.name} exited {code} ({exitcodes.describe(code)})")
 
@@ -163,4 +168,4 @@ def lock_constraints(session: nox.Session) -> None:
             str(source.relative_to(REPO_ROOT)), "-o", str(source.with_suffix(".txt").relative_to(REPO_ROOT)),
             env=envpin.installer_env(), external=True,
         )
-    SESSION_CODES[session.name] = exitcodes.OK
+    conclude(session, exitcodes.OK)

@@ -100,6 +100,18 @@ def test_every_named_session_exists_in_the_noxfile(steps):
     assert names <= listed
 
 
+def test_each_step_timeout_is_the_gate_budget_in_the_manifest(steps):
+    """One value, two readers: the wrapper's timeout and the gate's wall-time budget."""
+    from specgate.manifest import load
+
+    units = {"s": 1, "m": 60, "h": 3600}
+    budgets = load().gate.budget_s
+    for step in steps:
+        if step["key"] in budgets:
+            number, unit = re.search(r"run-cpu-test\.sh (\d+)([smh])", step["command"]).groups()
+            assert int(number) * units[unit] == budgets[step["key"]], step["key"]
+
+
 def test_soft_fail_only_for_exit_75(steps):
     for step in steps:
         if "soft_fail" in step:
