@@ -4,10 +4,12 @@
 Usage: python3 scripts/annotate.py [--artifacts DIR] [--step-exit CODE] [SESSION ...]
 (default sessions: cpu_unit cpu_e2e)
 
-cpu_e2e's tests become an acceptance table, cpu_unit's a table of the tests that did
-not pass with the cause and reason the classifier gave them. With `buildkite-agent` on
-PATH each annotation is posted with `buildkite-agent annotate` (one context per session
-and shard); without it the markdown is printed.
+cpu_e2e's tests become an acceptance table, below its chart (artifacts/cpu_e2e/acceptance.svg,
+embedded as an artifact:// image when the session wrote it) and above what its drift check
+found; cpu_unit's a table of the tests that did not pass with the cause and reason the
+classifier gave them. With `buildkite-agent` on PATH each annotation is posted with
+`buildkite-agent annotate` (one context per session and shard); without it the markdown
+is printed.
 
 Only this job's summary is shown: on Buildkite (BUILDKITE_JOB_ID set) a summary written
 by another job is refused, never rendered as if it were this run. A summary that still
@@ -38,6 +40,7 @@ TIMEOUTS = (124, 137)   # GNU timeout: the command timed out; 137 when it also h
 E2E_COLUMNS = (("nodeid", "test"), ("method", "method"), ("model_source", "model source"), ("runner", "runner"),
                ("outcome", "outcome"), ("acceptance_len", "acceptance len"), ("threshold", "threshold"),
                ("matches_baseline", "matches baseline"))
+CHART = "acceptance.svg"   # cpu_e2e's chart (specgate.charts), uploaded with artifacts/**
 
 
 class BadSummary(Exception):
@@ -88,6 +91,25 @@ def render_unit(tests: list[dict]) -> str:
 
 
 RENDERERS = {"cpu_unit": render_unit, "cpu_e2e": render_e2e}
+
+
+def chart(session: str, folder: Path) -> str:
+    if session != "cpu_e2e" or not (folder / CHART).is_file():
+        return ""
+    return (f'\n\n<img src="artifact://artifacts/{session}/{CHART}" '
+            'alt="acceptance per draft position and over recent runs">')
+
+
+def drift_notes(drift: Any) -> str:
+    """cpu_e2e's drift check: why it did not run, or its warnings (its regressions are failed tests above)."""
+    if not isinstance(drift, dict):
+        return ""
+    if not drift.get("checked"):
+        return f"\n\nDrift not checked: {cell(drift.get('why'))}"
+    notes = [f"- warning: {cell(w)}" for w in drift.get("warnings") or []]
+    notes += [f"- incomparable: {cell(i)}" for i in drift.get("incomparable") or []]
+    return (f"\n\nDrift against {cell(drift.get('source'))}: {len(drift.get('regressions') or [])} regression(s)"
+            + "".join(f"\n{n}" for n in notes))
 
 
 def load(path: Path) -> dict | None:
@@ -156,8 +178,10 @@ def annotation(session: str, root: Path | None = None, step_exit: int | None = N
     code = summary.get("exit_code") if step_exit is None else step_exit  # the step's status is what Buildkite sees
     versions = f"vLLM {summary.get('vllm_version') or 'unknown'}" + (f", exit {code}" if code is not None else "")
     markdown = f"{title(session)}: {headline(summary, step_exit in TIMEOUTS)} ({versions})"
+    markdown += chart(session, path.parent)
     if summary["tests"] or summary["status"] == "finished":  # what ran before a kill is still worth showing
         markdown += "\n\n" + RENDERERS[session](summary["tests"])
+    markdown += drift_notes(summary.get("drift")) if session == "cpu_e2e" else ""   # cpu_unit's drift: its files
     return style(summary["status"], code), markdown
 
 

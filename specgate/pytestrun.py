@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from junitparser import Error, Failure, JUnitXml, Skipped
 
 from specgate import artifacts, processes
 from specgate.secrets import redact
+
+# Buildkite Test Engine's collector (package buildkite-test-collector), by its pytest11 entry point.
+TEST_ENGINE_PLUGIN = "buildkite-test-collector"
+TEST_ENGINE_TOKEN = "BUILDKITE_ANALYTICS_TOKEN"
 
 
 @dataclass
@@ -29,12 +34,20 @@ class TestResult:
                 **extra}
 
 
+def collector_args(env: Mapping[str, str]) -> list[str]:
+    """Load the collector when its token is set, so timings and flakiness reach Test Engine.
+    Without the token it is blocked: an installed pytest11 plugin loads by itself, and this one
+    would add its options and warn about the missing token."""
+    return ["-p", TEST_ENGINE_PLUGIN if env.get(TEST_ENGINE_TOKEN) else f"no:{TEST_ENGINE_PLUGIN}"]
+
+
 def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] | None = None,
                log: Path | None = None) -> int:
     """Run `python -m pytest` with JUnit output. Its output reaches the terminal (and the log
     file, if given) with secrets masked, and so does the JUnit XML; it dies with this process."""
     # specgate.envcheck verifies, inside the test process, that the environment matches the manifest.
-    command = [sys.executable, "-m", "pytest", "-p", "specgate.envcheck", f"--junitxml={junit}",
+    command = [sys.executable, "-m", "pytest", "-p", "specgate.envcheck",
+               *collector_args(os.environ if env is None else env), f"--junitxml={junit}",
                "-o", "junit_family=xunit1", *args]
     print(redact("+ " + " ".join(command)), flush=True)
     with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,90 +1,23 @@
-"""`nox -s gate` (specgate.gate) on synthetic histories of cpu_unit and cpu_e2e summaries.
-
-Every summary written here follows specgate/summary.schema.json (checked as it is built),
-and passes the coverage floors the real manifest declares unless a test says otherwise.
-"""
+"""`nox -s gate` (specgate.gate) on synthetic histories of cpu_unit and cpu_e2e summaries
+(tests/histories.py: schema-checked as built, passing the real manifest's coverage floors
+unless a test says otherwise)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import jsonschema
 import pytest
+from histories import NGRAM, VERSION, build, clean_history, entry, job, passing, write_history
 
 from specgate import gate, manifest, pytestrun, summary
 
 REPO = Path(__file__).resolve().parent.parent
-START = datetime(2026, 11, 1, 6, 0, tzinfo=timezone.utc)
-VERSION = "0.32.0"
 GATE = manifest.load().gate
 SCHEMA = summary.load_schema()
-NGRAM = "tests/v1/spec_decode/test_ngram.py"
-HOST = {"cpu_model": "Intel(R) Xeon(R) Processor", "cores": 2, "isa": ["avx2", "avx512f"], "memory_gib": 23.5,
-        "machine": "x86_64", "system": "Linux 6.18"}
-
-
-def entry(nodeid: str, outcome: str = "passed", cause: str | None = None, reason: str | None = None,
-          **extra) -> dict:
-    return {"nodeid": nodeid, "outcome": outcome, "cause": cause, "reason": reason, "time_s": 0.5, **extra}
-
-
-def passing(step: str) -> list[dict]:
-    """What a clean run of the step executes: at least its coverage floor in every file
-    (one test where the floor is 0), plus one explained skip."""
-    floors = GATE.floors(VERSION, step)
-    tests = [entry(f"{name}::test_{i}") for name, floor in floors.items() for i in range(max(floor, 1))]
-    return tests + [entry(f"{next(iter(floors))}::test_cuda_only", "skipped", "env-blocked", "requires CUDA")]
-
-
-def job(step: str, build: int | None, *, shard: int = 0, shards: int = 1, status: str = "finished",
-        exit_code: int = 0, version: str = VERSION, wall: float = 300.0, tests: list[dict] | None = None,
-        earlier_attempts: list[dict] | None = None, run_id: str | None = None, retry: int = 0) -> dict:
-    """One job's summary.json: shard `shard` of build `build` (None: a run outside Buildkite).
-    Build n finishes on day n; without `tests`, the shard runs its round-robin share of passing()."""
-    if tests is None:
-        tests = [t for i, t in enumerate(passing(step)) if i % shards == shard]
-    finished = START + timedelta(days=build or 0, hours=gate.STEPS.index(step), minutes=shard + 10 * retry)
-    running = status == "running"
-    record = {
-        "schema": 1, "session": step, "run_id": run_id or f"0190-{build}/job-{step}-{shard}-{retry}",
-        "run": {"build_id": None if build is None else f"0190-{build}", "job_id": None if build is None else
-                f"job-{step}-{shard}-{retry}", "build_number": None if build is None else str(build),
-                "branch": "main", "commit": "0" * 40, "step_key": step, "pipeline": "specgate",
-                "retry_count": str(retry) if retry else None, "attempt": 1},
-        "shard": {"num_shards": shards, "shard_id": shard},
-        "started_at": (finished - timedelta(seconds=wall)).isoformat(),
-        "finished_at": None if running else finished.isoformat(),
-        "wall_s": None if running else wall, "status": status, "exit_code": None if running else exit_code,
-        "counts": summary.counts(tests), "tests": tests, "error": None, "host": HOST,
-        "vllm_version": version, "torch_version": "2.13.0+cpu", "env": {},
-        "earlier_attempts": earlier_attempts or [], "degraded": [],
-    }
-    jsonschema.validate(record, SCHEMA)
-    return record
-
-
-def build(number: int, shards: int = 2, steps: tuple[str, ...] = gate.STEPS, **options) -> list[dict]:
-    """Every shard of one build for the steps."""
-    return [job(step, number, shard=i, shards=shards, **options) for step in steps for i in range(shards)]
-
-
-def clean_history(builds: int = 5, shards: int = 2) -> list[dict]:
-    return [s for number in range(1, builds + 1) for s in build(number, shards)]
-
-
-def write_history(root: Path, summaries: list[dict]) -> Path:
-    """As downloaded artifacts land: <job folder>/artifacts/<session>/summary.json, in folders
-    whose alphabetical order is not the time order."""
-    history = root / "history"
-    for index, data in enumerate(summaries):
-        folder = history / f"job-{(7 * index) % 11:02d}-{index}" / "artifacts" / data["session"]
-        folder.mkdir(parents=True)
-        (folder / "summary.json").write_text(json.dumps(data))
-    return history
 
 
 @pytest.fixture(autouse=True)
