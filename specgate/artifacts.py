@@ -8,8 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specgate.secrets import redact, redact_data
 from specgate.manifest import REPO_ROOT
+from specgate.secrets import redact, redact_data
 
 
 def artifacts_dir(session: str) -> Path:
@@ -82,6 +82,6 @@ def format_rows(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain fixed-width table for the terminal."""
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

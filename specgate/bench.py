@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -138,9 +138,9 @@ def timed_figure(name: str, samples: Sequence[Sample], **detail: Any) -> Figure:
 
 def ratio_figure(name: str, top: Figure, bottom: Figure, **detail: Any) -> Figure:
     """top / bottom, or why there is none (either side not measured)."""
-    for side in (top, bottom):
-        if side.value is None:
-            return Figure.missing(name, "x", f"{side.name} not measured: {side.reason}", **detail)
+    if top.value is None or bottom.value is None:
+        side = top if top.value is None else bottom
+        return Figure.missing(name, "x", f"{side.name} not measured: {side.reason}", **detail)
     return Figure(name, "x", round(top.value / bottom.value, 3), detail=detail)
 
 
@@ -325,7 +325,9 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
     top = timed_figure("cpu_unit_nox_s", samples["nox"])
     bottom = timed_figure("cpu_unit_pytest_s", samples["pytest"])
     figure = ratio_figure(name, top, bottom, **detail)
-    figure.samples = [round(a.seconds / b.seconds, 3) for a, b in zip(samples["nox"], samples["pytest"])]
+    # interleaved() stops at the first problem, so the nox side may hold one sample more.
+    pairs = zip(samples["nox"], samples["pytest"], strict=False)
+    figure.samples = [round(a.seconds / b.seconds, 3) for a, b in pairs]
     return [figure, top, bottom]
 
 
@@ -342,8 +344,8 @@ def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path, seen: Mappin
     env = apply(shell_env(), {**envpin.session_env(manifest, "cpu_unit"), **compile_vars})
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
-    command = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-               f"--timeout={manifest.unit.timeout_s}", *summary["files_run"]]
+    command = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
+               "--continue-on-collection-errors", f"--timeout={manifest.unit.timeout_s}", *summary["files_run"]]
     return {"command": command, "env": env, "cwd": summary["upstream"]["root"]}
 
 
@@ -358,7 +360,8 @@ def warm_noop(runner: Runner, runs: int) -> list[Figure]:
     no-op: nothing to fetch or build), the same with -R (what the install-stamp check costs),
     and in the default auto mode (which still probes the hub for each hub checkpoint that is
     not cached), interleaved."""
-    fill, summary = runner.session("warm-fill", "warm_cache", ["-R", "-s", "warm_cache"], env=shell_env(), ok_codes=(0,))
+    fill, summary = runner.session("warm-fill", "warm_cache", ["-R", "-s", "warm_cache"], env=shell_env(),
+                                   ok_codes=(0,))
     if fill.problem:
         reason = f"warm_cache could not make everything present first: {fill.problem}"
         return [Figure.missing("warm_cache_noop_s", "s", reason)]
@@ -472,7 +475,7 @@ def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, c
     which the sessions it runs inherit apart from their own pins."""
     by_name = {f.name: f for f in figures}
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": command,
         "selected": list(selected),
         "runs": args.runs,
@@ -516,7 +519,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         value = "" if goal["value"] is None else f"{goal['value']:g}"
         verdict = goal["verdict"] + (f" ({goal['reason']})" if goal["reason"] else "")
         lines.append(f"| {goal['goal']} | {goal['figure']} | {goal['limit']:g} | {value} | {verdict} |")
-    lines += ["", "Contention (1-min load average; other processes with torch loaded), at the start and end of each figure:", ""]
+    lines += ["", "Contention (1-min load average; other processes with torch loaded), "
+                  "at the start and end of each figure:", ""]
     lines += [f"- {name}: " + "; ".join(f"{when} {snap['loadavg_1m']}, {snap['other_torch_processes']}"
                                         for when, snap in snaps.items())
               for name, snaps in report["load"].items()]

@@ -81,14 +81,16 @@ _SECTION = re.compile(r"^={3,} (.+?) ={3,}$")
 _BLOCK = re.compile(r"^_{3,} (.+?) _{3,}$")
 _SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+\.py(?:::\S+)?)(?: - (.*))?$")
 _OUTSIDE = re.compile(
-    r"Segmentation fault|core dumped|Fatal Python error|^\+{3,} Timeout \+{3,}$|exited with (?:status|code) 124\b|^Killed$"
+    r"Segmentation fault|core dumped|Fatal Python error|^\+{3,} Timeout \+{3,}$"
+    r"|exited with (?:status|code) 124\b|^Killed$"
 )
 
 # --- evidence ------------------------------------------------------------------------
 _OFFLINE_EVIDENCE = re.compile(
     r"(HF_HUB_OFFLINE['\"]?\s*[=:]?\s*['\"]?(?:1|true|yes|on)\b|OfflineModeIsEnabled|offline mode is enabled"
     r"|outgoing traffic (?:has been|is) disabled|local_files_only=True' as been set)"
-    r"|((?<!set ')HF_HUB_OFFLINE['\"]?\s*[=:]?\s*['\"]?(?:0|false|no|off)\b)",  # not hf's advice "set 'HF_HUB_OFFLINE=0'"
+    # The lookbehind skips hf's advice "set 'HF_HUB_OFFLINE=0'".
+    r"|((?<!set ')HF_HUB_OFFLINE['\"]?\s*[=:]?\s*['\"]?(?:0|false|no|off)\b)",
     re.IGNORECASE,
 )
 _REPO_PATTERNS = (
@@ -160,7 +162,8 @@ def _offline(lines: list[str]) -> bool | None:
     verdict = None
     for line in lines:
         low = line.lower()
-        if line.startswith(_SOURCE) or ("offline" not in low and "traffic" not in low and "local_files_only" not in low):
+        mentions = "offline" in low or "traffic" in low or "local_files_only" in low
+        if line.startswith(_SOURCE) or not mentions:
             continue
         for match in _OFFLINE_EVIDENCE.finditer(line):
             verdict = match.group(1) is not None
@@ -278,7 +281,8 @@ _RULES: list[Rule] = [
     (re.compile(r"requires the (Torchvision|Torchaudio) library but it was not found"),
      _fixed("env-blocked", "env-blocked: {m[1]} is not importable (transformers requires it)")),
     (re.compile(r"requires Triton\.(?:\s|$)|module 'triton(?:\.language)?' has no attribute|No module named 'triton"
-                r"|0 active drivers \(\[\]\)\. There should only be one|Triton CPU backend (?:is )?(?:missing|not available)"),
+                r"|0 active drivers \(\[\]\)\. There should only be one"
+                r"|Triton CPU backend (?:is )?(?:missing|not available)"),
      _fixed("env-blocked", "env-blocked: Triton CPU backend missing ({line})")),
     (re.compile(r"'function' object is not subscriptable"), _grid_launch),
     (re.compile(r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|No CUDA GPUs are available"
@@ -287,11 +291,13 @@ _RULES: list[Rule] = [
      _fixed("env-blocked", "env-blocked: CUDA not available ({m[0]})")),
     (re.compile(r"No space left on device"), _fixed("env-blocked", "env-blocked: disk full (No space left on device)")),
     # Authentication and gated repositories.
-    (re.compile(r"GatedRepoError|Cannot access gated repo|You are trying to access a gated repo|Access to model \S+ is restricted"),
+    (re.compile(r"GatedRepoError|Cannot access gated repo|You are trying to access a gated repo"
+                r"|Access to model \S+ is restricted"),
      _fixed("auth", "auth: {repo} is a gated repository and the token has no access")),
     (re.compile(r"RepositoryNotFoundError: (\d{3})?"), _repo_not_found),
     (re.compile(r"\b401 (?:Client Error|Unauthorized)|'401 Unauthorized'|HTTP(?: Error)? 401\b|Invalid user token"
-                r"|Invalid credentials in Authorization header|LocalTokenNotFoundError|Token is required \(`token=True`\)"),
+                r"|Invalid credentials in Authorization header|LocalTokenNotFoundError"
+                r"|Token is required \(`token=True`\)"),
      _fixed("auth", "auth: HTTP 401 for {repo} (missing or invalid HF_TOKEN)")),
     (re.compile(r"\b403 (?:Client Error|Forbidden)|'403 Forbidden'|HTTP(?: Error)? 403\b"),
      _fixed("auth", "auth: HTTP 403 for {repo} (token lacks permission)")),
@@ -306,23 +312,27 @@ _RULES: list[Rule] = [
     (re.compile(r"^Failed: Timeout \(?>|^\+{3,} Timeout \+{3,}$"),
      _fixed("failure", "failure: test timed out (pytest-timeout)")),
     (re.compile(r"exited with (?:status|code) 124\b"), _fixed("failure", "failure: timed out (exit 124)")),
-    (re.compile(r"Segmentation fault|core dumped|Fatal Python error: [A-Za-z ]+|SIGSEGV|SIGABRT|died with exit code -(?:6|9|11)\b|^Killed$"),
+    (re.compile(r"Segmentation fault|core dumped|Fatal Python error: [A-Za-z ]+|SIGSEGV|SIGABRT"
+                r"|died with exit code -(?:6|9|11)\b|^Killed$"),
      _fixed("failure", "failure: crashed ({m[0]})")),
     (re.compile(r"^(?:AssertionError\b.*|assert .*)$"), _fixed("failure", "failure: {line}")),
     (re.compile(r"^Failed: "), _fixed("failure", "failure: {line}")),
     # Hub or network trouble (before the generic LocalEntryNotFoundError wording).
-    (re.compile(r"(?:Server error '|HTTP Error |HfHubHTTPError: |\b)(5\d\d)(?: Server Error|' for url| thrown| Internal Server Error"
-                r"| Bad Gateway| Service Unavailable| Gateway Time-?out)"),
+    (re.compile(r"(?:Server error '|HTTP Error |HfHubHTTPError: |\b)(5\d\d)"
+                r"(?: Server Error|' for url| thrown| Internal Server Error| Bad Gateway| Service Unavailable"
+                r"| Gateway Time-?out)"),
      _fixed("transient", "transient: HTTP {m[1]} from the hub")),
-    (re.compile(r"\b429\b[^\n]*Too Many Requests|Too Many Requests for url|429 Client Error|HTTP Error 429|Rate limited\."),
+    (re.compile(r"\b429\b[^\n]*Too Many Requests|Too Many Requests for url|429 Client Error|HTTP Error 429"
+                r"|Rate limited\."),
      _fixed("transient", "transient: rate limited by the hub (HTTP 429)")),
     (re.compile(r"\b408 (?:Request Timeout|Client Error)|HTTP Error 408"),
      _fixed("transient", "transient: HTTP 408 from the hub")),
     (re.compile(r"Connect(?:ion)?Error|ConnectTimeout|ReadTimeout(?:Error)?|WriteTimeout|PoolTimeout|RemoteProtocolError"
                 r"|ConnectionResetError|Connection reset by peer|Connection refused|NewConnectionError|MaxRetryError"
-                r"|Max retries exceeded|Name or service not known|Temporary failure in name resolution|Network is unreachable"
-                r"|No route to host|Server disconnected without sending a response|IncompleteRead|ChunkedEncodingError"
-                r"|SSLError|SSLEOFError|The read operation timed out|Read timed out|^(?:socket\.timeout|TimeoutError): timed out$"),
+                r"|Max retries exceeded|Name or service not known|Temporary failure in name resolution"
+                r"|Network is unreachable|No route to host|Server disconnected without sending a response"
+                r"|IncompleteRead|ChunkedEncodingError|SSLError|SSLEOFError|The read operation timed out|Read timed out"
+                r"|^(?:socket\.timeout|TimeoutError): timed out$"),
      _connection),
     # Wrappers whose verdict depends on the cause or on offline evidence.
     (re.compile(r"Invalid repository ID or local directory specified:\s*'([^']+)'"), _invalid_repo),

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from specgate import envpin
 from specgate.manifest import Manifest, ManifestError, load
@@ -29,8 +29,9 @@ class BadInput(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse that raises BadInput (one line, exit 2 by the session lifecycle) instead of exiting."""
 
-    def __init__(self, *args, takes_pytest_args: bool = True, **kwargs) -> None:
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+    def __init__(self, *, takes_pytest_args: bool = True, **kwargs: Any) -> None:
+        # Keyword arguments only: a positional one could land on allow_abbrev.
+        super().__init__(allow_abbrev=False, **kwargs)
         self.takes_pytest_args = takes_pytest_args
 
     def error(self, message: str):
@@ -42,7 +43,8 @@ def parser(prog: str, description: str, *, shards: bool = False, model_source: b
     p = Parser(prog=f"nox -s {prog} --", description=description, takes_pytest_args=pytest)
     if model_source:
         p.add_argument("--model-source", choices=MODEL_SOURCES, default=None,
-                       help=f"auto (cached hub checkpoint, else fixture), hub, or fixture; default ${MODEL_SOURCE_VAR} or auto")
+                       help="auto (cached hub checkpoint, else fixture), hub, or fixture; "
+                            f"default ${MODEL_SOURCE_VAR} or auto")
     if shards:
         p.add_argument("--num-shards", type=int, default=None, help="split the work across this many agents "
                        "(default $BUILDKITE_PARALLEL_JOB_COUNT or 1)")
@@ -101,5 +103,6 @@ def start(session: str) -> Manifest:
         manifest.session(session)
     except ManifestError as exc:
         raise BadInput(str(exc)) from None
-    print(envpin.format_table(envpin.session_report(manifest, session), f"{session}: effective environment"), flush=True)
+    report = envpin.session_report(manifest, session)
+    print(envpin.format_table(report, f"{session}: effective environment"), flush=True)
     return manifest

@@ -105,4 +105,4 @@ def entry(values: dict[str, str] | None = None) -> Path:
 def compile_cache_env() -> dict[str, str]:
     """The variables that send vLLM's and inductor's compile caches to this entry."""
     path = entry()
-    return dict(zip(ENV_NAMES, (str(path / "vllm"), str(path / "inductor"))))
+    return dict(zip(ENV_NAMES, (str(path / "vllm"), str(path / "inductor")), strict=True))

@@ -13,7 +13,9 @@ import os
 
 import pytest
 
-from specgate import artifacts, envpin, manifest as manifest_mod
+from specgate import artifacts, envpin
+from specgate import manifest as manifest_mod
+
 
 def pytest_configure(config: pytest.Config) -> None:
     session = os.environ.get("SPECGATE_SESSION")
@@ -30,4 +32,5 @@ def pytest_configure(config: pytest.Config) -> None:
         "mismatches": problems,
     })
     if problems:
-        raise pytest.UsageError(f"{session}: the test process environment differs from manifest.toml: " + "; ".join(problems))
+        raise pytest.UsageError(f"{session}: the test process environment differs from manifest.toml: "
+                                + "; ".join(problems))

@@ -49,7 +49,8 @@ def installer_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     }
 
 
-def effective_env(environ: Mapping[str, str] = os.environ, pinned: Mapping[str, str | None] = {}) -> dict[str, str | None]:
+def effective_env(environ: Mapping[str, str] = os.environ,
+                  pinned: Mapping[str, str | None] = {}) -> dict[str, str | None]:
     """The variables worth showing: every pinned one (None = removed) and any
     relevant one inherited from outside."""
     shown = {k: environ.get(k) for k in pinned}

@@ -63,7 +63,7 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
     raise Stopped(signum)
 
 
-def run(session: str, parser: argparse.ArgumentParser, step: Step, argv: Sequence[str] | None = None) -> int:
+def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None = None) -> int:
     record = summary.begin(session)
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     status, error, code = "finished", None, exitcodes.FAILURE
@@ -93,7 +93,8 @@ def run(session: str, parser: argparse.ArgumentParser, step: Step, argv: Sequenc
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     tally = summary.counts(record["tests"])
-    if status == "finished" and code == exitcodes.OK and ctx is not None and ctx.expects_tests and not tally["executed"]:
+    expected_tests = ctx is not None and ctx.expects_tests
+    if status == "finished" and code == exitcodes.OK and expected_tests and not tally["executed"]:
         code, error = exitcodes.FAILURE, "executed no test where tests were expected: an empty run is not a pass"
     path = summary.finish(record, code, status=status, error=error or record.get("error"))
     artifacts.scrub_tree(path.parent)
@@ -110,5 +111,5 @@ def closing_line(record: dict[str, Any], path: Any) -> str:
             f"{error}; summary: {path} ==")
 
 
-def main(session: str, parser: argparse.ArgumentParser, step: Step) -> None:
+def main(session: str, parser: cli.Parser, step: Step) -> None:
     sys.exit(run(session, parser, step))

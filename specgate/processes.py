@@ -3,6 +3,7 @@ is stopped takes its whole process tree with it (psutil walks the tree)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -36,15 +37,11 @@ def end_process_tree(pid: int, grace_s: float = GRACE_S, *, spare_root: bool = F
     except psutil.NoSuchProcess:
         return []
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=grace_s)
     return [proc.pid for proc in procs]

@@ -25,9 +25,18 @@ def _clear_vllm_env_cache() -> None:
         cache_clear()
 
 
+def _redirect_for(nodeid: str) -> str | None:
+    """The redirect file for this test, from the JSON map SPECGATE_REDIRECTS names (if set)."""
+    map_path = os.environ.get(MAP_VAR)
+    if not map_path:
+        return None
+    with open(map_path) as map_file:
+        return json.load(map_file).get(nodeid)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    redirect = json.loads(open(os.environ[MAP_VAR]).read()).get(item.nodeid) if os.environ.get(MAP_VAR) else None
+    redirect = _redirect_for(item.nodeid)
     if redirect is None:
         return (yield)
     os.environ[REDIRECT_VAR] = redirect

@@ -18,7 +18,7 @@ import platform
 import time
 import uuid
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ BUILDKITE_RUN = {"build_id": "BUILDKITE_BUILD_ID", "job_id": "BUILDKITE_JOB_ID",
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def path(session: str) -> Path:
@@ -67,7 +67,8 @@ def run_id(environ: Mapping[str, str] = os.environ) -> str:
 
 def host() -> dict[str, Any]:
     """What makes two runs comparable: CPU model, cores, the ISA flags vLLM uses, memory."""
-    model, flags = None, set()
+    model: str | None = None
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

@@ -26,14 +26,27 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from junitparser import JUnitXml
 
-from specgate import (artifacts, classify, cli, envpin, exitcodes, fixtures, lifecycle, pytestrun, sources, summary,
-                      torchprobe, upstream)
-from specgate.redirect import MAP_VAR as REDIRECTS_MAP_VAR
+from specgate import (
+    artifacts,
+    classify,
+    cli,
+    envpin,
+    exitcodes,
+    fixtures,
+    lifecycle,
+    pytestrun,
+    sources,
+    summary,
+    torchprobe,
+    upstream,
+)
 from specgate.manifest import Manifest, Redirect
 from specgate.pytestrun import TestResult
+from specgate.redirect import MAP_VAR as REDIRECTS_MAP_VAR
 
 SESSION = "cpu_unit"
 REDIRECT_VAR = "VLLM_MODEL_REDIRECT_PATH"
@@ -68,7 +81,7 @@ class Outcome:
         return self.result.nodeid
 
     def entry(self) -> dict:
-        data = {
+        data: dict[str, Any] = {
             "nodeid": self.nodeid, "outcome": self.result.outcome, "cause": self.cause, "reason": self.reason,
             "attempt": self.attempt, "time_s": round(self.result.time_s, 3), "declared_by": self.declared_by,
             "redirect": self.redirect,
@@ -156,6 +169,7 @@ def redirect_map(plans: list[RedirectPlan]) -> dict[str, dict[str, str]]:
     mapping: dict[str, dict[str, str]] = {}
     for plan in plans:
         if plan.applied:
+            assert plan.path is not None  # applied means there is a fixture folder
             for test in plan.tests:
                 mapping.setdefault(test, {})[plan.redirect.checkpoint] = plan.path
     return mapping
@@ -305,13 +319,18 @@ def select_files(root: Path, manifest: Manifest, pinned_only: bool) -> tuple[lis
                                          exc.exit_code) from None
         notes.append(str(exc))
         listed = None
-    gap = upstream.drift(pinned, listed) if listed is not None else None
-    if gap is not None:
+    gap = None
+    if listed is not None:
+        gap = upstream.drift(pinned, listed)
         print(f"upstream: {len(listed)} files from {unit.pipeline} step {unit.step_key}")
         print("drift vs manifest unit.files: " + (f"{len(gap.lines())} change(s)" if gap else "none"))
         for line in gap.lines():
             print(line)
-    files, source = (pinned, "manifest") if pinned_only else (listed, "upstream-pipeline")
+    if pinned_only:
+        files, source = pinned, "manifest"
+    else:
+        assert listed is not None  # without --pinned-files an unusable upstream list was raised above
+        files, source = listed, "upstream-pipeline"
     missing = upstream.missing_files(root, files)
     if missing:
         raise upstream.UpstreamError(f"{len(missing)} listed test file(s) missing from the upstream tree: "
@@ -333,7 +352,8 @@ def step(ctx: lifecycle.Context) -> int:
         root = upstream.tree(version, args.vllm_source_dir)
         record["upstream"] = upstream.describe(root)
         print(f"vLLM {version}: upstream tests at {root}")
-        files, record["files_source"], record["drift"], record["notes"] = select_files(root, manifest, args.pinned_files)
+        selected = select_files(root, manifest, args.pinned_files)
+        files, record["files_source"], record["drift"], record["notes"] = selected
     except upstream.UpstreamError as exc:
         raise lifecycle.Abort(str(exc), exc.exit_code) from None
     record["files"] = files

@@ -142,7 +142,9 @@ def unpack_tests(sdist: Path, dest: Path) -> None:
                 member.name = inner
                 members.append(member)
             elif inner == "pyproject.toml" and member.isfile():
-                pyproject = tar.extractfile(member).read().decode("utf-8")
+                handle = tar.extractfile(member)
+                assert handle is not None  # a regular file member always has contents
+                pyproject = handle.read().decode("utf-8")
         tar.extractall(dest, members=members, filter="data")
     if not (dest / "tests").is_dir():
         raise UpstreamError(f"{sdist.name}: no tests/ directory in the sdist", 1)
@@ -157,7 +159,8 @@ def tree_from_checkout(checkout: Path) -> Path:
     checkout = checkout.expanduser().resolve()
     missing = [d for d in KEPT_DIRS if not (checkout / d).is_dir()]
     if not checkout.is_dir() or missing:
-        raise UpstreamError(f"--vllm-source-dir {checkout}: not a vLLM checkout (no {', '.join(missing or KEPT_DIRS)})", 2)
+        absent = ", ".join(missing or KEPT_DIRS)
+        raise UpstreamError(f"--vllm-source-dir {checkout}: not a vLLM checkout (no {absent})", 2)
     key = hashlib.sha256(str(checkout).encode()).hexdigest()[:12]
     final = _upstream_dir() / f"checkout-{key}"
     with FileLock(str(final) + ".lock"), \
@@ -179,7 +182,8 @@ def tree_from_checkout(checkout: Path) -> Path:
 def write_pytest_config(pyproject_text: str, root: Path) -> None:
     """A pyproject.toml holding only vLLM's [tool.pytest.ini_options] (empty if it has none),
     which also anchors pytest's rootdir at the tree."""
-    options = tomllib.loads(pyproject_text).get("tool", {}).get("pytest", {}).get("ini_options", {}) if pyproject_text else {}
+    config = tomllib.loads(pyproject_text) if pyproject_text else {}
+    options = config.get("tool", {}).get("pytest", {}).get("ini_options", {})
     lines = ["[tool.pytest.ini_options]"]
     for key, value in options.items():
         if not isinstance(value, (str, int, float, bool, list)) or isinstance(value, list) and not all(
@@ -231,7 +235,8 @@ def pytest_invocations(script: str) -> list[list[str]]:
     script = script.replace("\\\n", " ")  # line continuations
     lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|\n")
     lexer.whitespace, lexer.whitespace_split = " \t\r", True
-    invocations, command = [], []
+    invocations: list[list[str]] = []
+    command: list[str] = []
     for token in [*lexer, ";"]:
         if token and set(token) <= set(";&|\n"):
             if command:

@@ -87,6 +87,7 @@ def warm_one(manifest: Manifest, ckpt: Checkpoint, mode: str, hub: Hub) -> Row:
         if source.status == "missing" and mode == "auto":
             source = sources.fixture_source(manifest, ckpt, f"{source.reason}; using fixture {ckpt.fixture}")
     if source.source == "fixture":
+        assert source.path is not None  # a fixture source always names its folder
         size = _tree_size(Path(source.path))
     return Row(source, size, round(time.monotonic() - started, 2))
 
@@ -97,11 +98,13 @@ class Hub:
 
     def __init__(self, cache: Path, backoff_s: float, online_env: dict[str, str]) -> None:
         self.cache, self.backoff_s, self.online_env = cache, backoff_s, online_env
-        self._probed, self._unreachable = False, None
+        self._probed = False
+        self._unreachable: str | None = None
 
     def fetch(self, ckpt: Checkpoint) -> tuple[sources.Source, int]:
         """The checkpoint's source after an online attempt, and its listed size."""
-        lock = FileLock(self.cache / ".locks" / "specgate" / f"{sources.repo_folder(ckpt.repo_id, self.cache).name}.lock")
+        folder = sources.repo_folder(ckpt.repo_id, self.cache).name
+        lock = FileLock(self.cache / ".locks" / "specgate" / f"{folder}.lock")
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -219,7 +222,7 @@ def _tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def human_size(n: int) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KB", "MB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

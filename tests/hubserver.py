@@ -117,7 +117,7 @@ class HubServer:
         wanted = (method, kind, repo_id, filename)
         with self.lock:
             return sum(n for key, n in self.stats.requests.items()
-                       if all(w is None or w == k for w, k in zip(wanted, key)))
+                       if all(w is None or w == k for w, k in zip(wanted, key, strict=True)))
 
     def total_requests(self) -> int:
         return self.count()

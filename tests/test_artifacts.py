@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from contract import read_valid
+
 from specgate import artifacts, summary
 
 REPO = Path(__file__).resolve().parent.parent

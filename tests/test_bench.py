@@ -55,7 +55,8 @@ def test_interleaved_stops_at_the_first_problem():
 
 def test_timed_figure_is_the_median_or_says_why_not():
     figure = bench.timed_figure("x_s", [sample(3.0), sample(10.0), sample(4.0)], command="c")
-    assert (figure.value, figure.samples, figure.reason, figure.detail) == (4.0, [3.0, 10.0, 4.0], None, {"command": "c"})
+    assert (figure.value, figure.samples, figure.reason, figure.detail) == (
+        4.0, [3.0, 10.0, 4.0], None, {"command": "c"})
     broken = bench.timed_figure("x_s", [sample(3.0), sample(1.0, "x exited 2 (log: artifacts/bench/logs/x.log)")])
     assert broken.value is None and broken.reason.startswith("x exited 2")
     assert bench.timed_figure("x_s", []).reason == "no run"
@@ -81,15 +82,17 @@ def test_goal_verdicts():
 
 def test_goals_cover_the_four_targets():
     assert {(g.figure, g.limit) for g in bench.GOALS} == {
-        ("cpu_unit_overhead_ratio", 1.10), ("warm_cache_noop_s", 3.0), ("e2e_warm_cold_ratio", 0.6), ("e2e_cold_s", 360.0)}
+        ("cpu_unit_overhead_ratio", 1.10), ("warm_cache_noop_s", 3.0), ("e2e_warm_cold_ratio", 0.6),
+        ("e2e_cold_s", 360.0)}
 
 
 def _report(figures):
     args = SimpleNamespace(runs=3, skip_pip=True)
     machine = bench.machine_info()
-    return bench.build_report(figures, selected=["warm_noop", "e2e_cache"], args=args, command="nox -s bench -- --skip-pip",
-                              machine=machine, version_info={"vllm": "0.32.0", "torch": "2.13.0+cpu", "python": "3.11.7",
-                                                             "nox": "2026.10.20", "uv": "0.13.9"},
+    return bench.build_report(figures, selected=["warm_noop", "e2e_cache"], args=args,
+                              command="nox -s bench -- --skip-pip", machine=machine,
+                              version_info={"vllm": "0.32.0", "torch": "2.13.0+cpu", "python": "3.11.7",
+                                            "nox": "2026.10.20", "uv": "0.13.9"},
                               load={"warm_noop": {"start": {"loadavg_1m": 0.5, "other_torch_processes": 0},
                                                   "end": {"loadavg_1m": 1.5, "other_torch_processes": 2}}},
                               env={"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_CI_ENV": None, "HF_TOKEN": "***"})
@@ -220,8 +223,8 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
     assert env["VIRTUAL_ENV"] == str(tmp_path / "venv") and env["PATH"].startswith(str(tmp_path / "venv" / "bin"))
     assert (env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"]) == ("/c/compile/k/vllm", "/c/compile/k/inductor")
     # a session that set no compile cache (torch wrote its own default at import): the bare run the same
-    bare = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv",
-                                  {"VLLM_CACHE_ROOT": None, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"})["env"]
+    seen = {"VLLM_CACHE_ROOT": None, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"}
+    bare = bench.bare_pytest_plan(manifest, summary, tmp_path / "venv", seen)["env"]
     assert "VLLM_CACHE_ROOT" not in bare and bare["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/torchinductor_root"
 
 

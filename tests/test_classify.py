@@ -112,13 +112,15 @@ def test_transformers_offline_docs_link_is_not_offline_evidence():
 
 
 # --- hub id vs local path --------------------------------------------------------------
-INVALID = "  Value error, Invalid repository ID or local directory specified: '{}'.\nPlease verify the following requirements:"
+INVALID = ("  Value error, Invalid repository ID or local directory specified: '{}'.\n"
+           "Please verify the following requirements:")
 
 
 @pytest.mark.parametrize("value,expected", [
     ("Qwen/Qwen3-0.6B", "cache-miss"),
     ("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "cache-miss"),
-    ("/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de289a04d12100db370d81485cdf75e47ca", "cache-miss"),
+    ("/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/"
+     "c1899de289a04d12100db370d81485cdf75e47ca", "cache-miss"),
     ("/root/.cache/specgate/fixtures/tiny-qwen3", "failure"),
     ("./fixtures/tiny-qwen3", "failure"),
     ("../tiny-qwen3", "failure"),
@@ -135,11 +137,13 @@ def test_invalid_repository_id_for_a_hub_id_online_is_not_a_cache_miss():
 
 
 @pytest.mark.parametrize("value,expected", [
-    ("/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de289a04d12100db370d81485cdf75e47ca", "cache-miss"),
+    ("/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/"
+     "c1899de289a04d12100db370d81485cdf75e47ca", "cache-miss"),
     ("/root/.cache/specgate/fixtures/tiny-qwen3", "failure"),
 ])
 def test_no_weights_in_hf_cache_or_local_dir(value: str, expected: str):
-    text = f"(Worker pid=17733) ERROR 11-29 22:04:50 [multiproc_executor.py:953] RuntimeError: Cannot find any model weights with `{value}`"
+    text = ("(Worker pid=17733) ERROR 11-29 22:04:50 [multiproc_executor.py:953] "
+            f"RuntimeError: Cannot find any model weights with `{value}`")
     assert classify(text) == expected
 
 
@@ -156,10 +160,12 @@ def test_404_that_mentions_authentication_is_a_failure_not_auth():
 def test_triton_fallback_warning_and_fake_tensor_noise_do_not_explain_anything():
     noise = (
         "Triton is installed, but doesn't include CPU backend. Disabling Triton.\n"
-        "(MainProcess pid=2211) WARNING 11-29 21:40:02 [vllm.py:725] Model Runner V2 requires Triton; using the V1 model runner instead.\n"
+        "(MainProcess pid=2211) WARNING 11-29 21:40:02 [vllm.py:725] Model Runner V2 requires Triton; "
+        "using the V1 model runner instead.\n"
         "Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f3c2a1b9c60>\n"
         "Traceback (most recent call last):\n"
-        '  File "/work/main/.nox/cpu_e2e/lib/python3.11/site-packages/torch/_inductor/cpu_handler.py", line 88, in __del__\n'
+        '  File "/work/main/.nox/cpu_e2e/lib/python3.11/site-packages/torch/_inductor/cpu_handler.py", '
+        'line 88, in __del__\n'
         "    assert not self.fake_mode\n"
         "AssertionError: Please convert all Tensors to FakeTensors first or instantiate FakeTensorMode with "
         "'allow_non_fake_inputs'.\n"
@@ -199,13 +205,15 @@ def test_timeout_words_in_pytest_header_are_not_a_timeout():
 
 def test_colours_and_timestamps_are_ignored():
     red, reset = "\x1b[31m", "\x1b[0m"
-    text = f"[2026-11-29T21:58:12Z] {red}E   huggingface_hub.errors.OfflineModeIsEnabled: Cannot reach x: offline mode is enabled{reset}"
+    text = (f"[2026-11-29T21:58:12Z] {red}E   huggingface_hub.errors.OfflineModeIsEnabled: "
+            f"Cannot reach x: offline mode is enabled{reset}")
     assert classify(text) == "cache-miss"
 
 
 def test_skips_naming_missing_pieces_are_not_failures():
     text = ("SKIPPED [2] tests/v1/spec_decode/test_eagle.py:41: CUDA is not available\n"
-            "tests/v1/spec_decode/test_ngram.py::test_ngram_proposer SKIPPED (requires Triton.)\n" + EXCERPTS["transient"])
+            "tests/v1/spec_decode/test_ngram.py::test_ngram_proposer SKIPPED (requires Triton.)\n"
+            + EXCERPTS["transient"])
     assert classify(text) == "transient"
 
 
@@ -216,7 +224,8 @@ def test_a_single_tests_traceback_is_explained_alone():
     assert "OfflineModeIsEnabled" in block  # the chained cause pytest prints decides
     assert explain(block) == ("cache-miss", "cache miss: Qwen/Qwen3-0.6B not in the local HF cache (offline)")
     without_cause = "\n".join(line for line in block.splitlines() if "OfflineModeIsEnabled" not in line)
-    assert explain(without_cause) == ("transient", "transient: the hub could not be reached for Qwen/Qwen3-0.6B (online)")
+    assert explain(without_cause) == (
+        "transient", "transient: the hub could not be reached for Qwen/Qwen3-0.6B (online)")
     assert explain(without_cause, offline=True)[0] == "cache-miss"
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from specgate import artifacts, envpin, pytestrun
-from specgate.secrets import MASK
 from specgate.manifest import load
+from specgate.secrets import MASK
 
 REPO = Path(__file__).resolve().parent.parent
 SESSIONS = ["tests", "warm_cache", "cpu_unit", "cpu_e2e"]

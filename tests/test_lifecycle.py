@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from contract import read_valid
+
 from specgate import cli, exitcodes, summary
 
 REPO = Path(__file__).resolve().parent.parent

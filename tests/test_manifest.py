@@ -43,7 +43,8 @@ BROKEN = [
     ('step_key = "cpu-spec-decode-tests"', "step_key = 3", "key 'unit.step_key': expected a string, got 3"),
     ("timeout_s = 600", "timeout_s = -1", "key 'unit.timeout_s': expected a positive integer, got -1"),
     ('revision = "c1899de289a04d12100db370d81485cdf75e47ca"', 'revision = "main"',
-     "key 'checkpoints.Qwen/Qwen3-0.6B.revision': expected a 40-hex commit revision (or 'unpinned' with an unpinned_reason), got 'main'"),
+     "key 'checkpoints.Qwen/Qwen3-0.6B.revision': expected a 40-hex commit revision "
+     "(or 'unpinned' with an unpinned_reason), got 'main'"),
     ('VLLM_CPU_CI_ENV = "1"', "VLLM_CPU_CI_ENV = 1", "key 'sessions.cpu_unit.env.VLLM_CPU_CI_ENV': expected a string"),
     ('constraints = "constraints/vllm-cpu.txt"', 'constraints = "constraints/nope.txt"',
      "key 'sessions.tests.constraints': expected an existing file"),
@@ -75,8 +76,9 @@ def test_malformed_manifest_names_file_key_and_expectation(tmp_path, old, new, m
 def test_unpinned_checkpoint_needs_a_reason(tmp_path):
     path = tmp_path / "manifest.toml"
     path.write_text(_base().replace('revision = "c1899de289a04d12100db370d81485cdf75e47ca"', 'revision = "unpinned"'))
-    with pytest.raises(m.ManifestError, match=r"Qwen3-0.6B.revision': expected a 40-hex commit revision \(or 'unpinned' "
-                                              r"with an unpinned_reason\), got 'unpinned'"):
+    with pytest.raises(m.ManifestError,
+                       match=r"Qwen3-0.6B.revision': expected a 40-hex commit revision \(or 'unpinned' "
+                             r"with an unpinned_reason\), got 'unpinned'"):
         m.load(path)
 
 
@@ -90,7 +92,8 @@ def test_invalid_toml_is_one_line(tmp_path):
 def test_unknown_method_is_rejected(tmp_path):
     path = tmp_path / "manifest.toml"
     path.write_text(_base() + '\n[[e2e.configs]]\nid = "x"\nmethod = "medusa"\ntarget = "Qwen/Qwen3-0.6B"\n')
-    with pytest.raises(m.ManifestError, match=r"method': expected one of none, ngram, eagle3, dflash, mtp, got 'medusa'"):
+    with pytest.raises(m.ManifestError,
+                       match=r"method': expected one of none, ngram, eagle3, dflash, mtp, got 'medusa'"):
         m.load(path)
 
 
@@ -120,7 +123,8 @@ def test_session_with_malformed_manifest_exits_2_with_one_line(tmp_path):
                           env={**_env(), "SPECGATE_MANIFEST": str(path)})
     assert proc.returncode == 2
     lines = proc.stdout.strip().splitlines()
-    assert [line for line in lines if line.startswith("error:")] == ["error: manifest.toml: key 'schema': expected 1, got 7"]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == ["error: manifest.toml: key 'schema': expected 1, got 7"]
     assert "-> exit 2 (bad input)" in lines[-1] and len(lines) == 2
 
 

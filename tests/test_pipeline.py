@@ -63,7 +63,8 @@ def test_every_step_runs_through_the_wrapper_and_keeps_its_status(steps):
 def test_commands_parse_as_bash_and_escape_every_dollar(steps):
     for step in steps:
         text = "\n".join(commands(step))
-        assert not re.search(r"(?<!\$)\$(?!\$)", text.replace("$$", "")), f"{step['key']}: a $ Buildkite would interpolate"
+        lone_dollar = re.search(r"(?<!\$)\$(?!\$)", text.replace("$$", ""))
+        assert not lone_dollar, f"{step['key']}: a $ Buildkite would interpolate"
         proc = subprocess.run(["bash", "-n", "-c", interpolated(text)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
 

@@ -15,9 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from contract import read_valid
 from hubserver import HubServer, Repo, hf_env
 
-from contract import read_valid
 from specgate import envpin, pytestrun, summary, unit
 from specgate.manifest import REPO_ROOT, Redirect, load
 
@@ -54,7 +54,7 @@ def test_exit_code(outcomes, code):
 # --------------------------------------------------------------------------- causes, from real pytest results
 
 CRAFTED = {
-    "test_causes.py": """
+    "test_causes.py": f"""
         import pytest
 
         def test_passes():
@@ -73,8 +73,8 @@ CRAFTED = {
 
         def test_hub_file_not_cached():
             from huggingface_hub import hf_hub_download
-            hf_hub_download("acme/not-cached", "config.json", revision="%s")
-    """ % COMMIT,
+            hf_hub_download("acme/not-cached", "config.json", revision="{COMMIT}")
+    """,
     "test_vision.py": "import torchvision  # the collection error vLLM's minimax_m3 import causes here\n",
 }
 
@@ -128,7 +128,8 @@ def test_a_rerun_replaces_attempt_one_and_keeps_it_inside():
     second = [_outcome("passed", nodeid="a.py::hub", attempt=2), _outcome("passed", nodeid="b.py::t1", attempt=2),
               _outcome("failed", "transient", nodeid="b.py::t2", attempt=2)]
     final = unit.merge_attempts(first, second)
-    assert [(o.nodeid, o.attempt) for o in final] == [("a.py::ok", 1), ("a.py::hub", 2), ("b.py::t1", 2), ("b.py::t2", 2)]
+    assert [(o.nodeid, o.attempt) for o in final] == [
+        ("a.py::ok", 1), ("a.py::hub", 2), ("b.py::t1", 2), ("b.py::t2", 2)]
     assert final[1].entry()["earlier"] == [
         {"attempt": 1, "nodeid": "a.py::hub", "outcome": "failed", "cause": "cache-miss", "reason": "why"}]
     assert final[3].earlier[0]["nodeid"] == "b.py"
@@ -195,7 +196,8 @@ def test_vllm_reads_the_redirect_file_we_write(tmp_path):
     code = ("from vllm.transformers_utils.utils import maybe_model_redirect as r\n"
             "print(r('facebook/opt-125m')); print(r('Qwen/Qwen3-0.6B'))")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", unit.REDIRECT_VAR: str(path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=tmp_path)
     assert out.stdout.split() == [str(fixture), "Qwen/Qwen3-0.6B"]
 
 
@@ -218,7 +220,8 @@ def test_summary_keys_and_the_human_table(tmp_path, monkeypatch, capsys):
     assert written["counts"] == {"executed": 2, "passed": 1, "failed": 1, "errors": 0, "skipped": 1, "xfailed": 0}
     for test in written["tests"]:
         assert {"nodeid", "outcome", "cause", "reason", "attempt"} <= set(test)
-        assert (test["cause"] is None) == (test["outcome"] == "passed") and (test["reason"] is None) == (test["cause"] is None)
+        assert (test["cause"] is None) == (test["outcome"] == "passed")
+        assert (test["reason"] is None) == (test["cause"] is None)
     assert written["redirects"][0]["applied"] and written["degraded"] == TORCHVISION_RECORD
     assert written["env"]["HF_HUB_OFFLINE"] == "1" and written["env"]["HF_TOKEN"] == "***"
     assert "hf_secret_value_123" not in (tmp_path / "cpu_unit" / "summary.json").read_text()
@@ -259,7 +262,7 @@ CHECKOUT = {
         def test_same_checkpoint_undeclared():  # the same file, not declared: never redirected
             assert _redirects() == {}
     """,
-    "tests/v1/test_misc.py": """
+    "tests/v1/test_misc.py": f"""
         import pytest
 
         def test_passes():
@@ -271,8 +274,8 @@ CHECKOUT = {
 
         def test_reads_the_hub():  # a cache miss offline; fixed by the online rerun
             from huggingface_hub import hf_hub_download
-            hf_hub_download("%s", "config.json", revision="%s")
-    """ % (REPO_ID, COMMIT),
+            hf_hub_download("{REPO_ID}", "config.json", revision="{COMMIT}")
+    """,
 }
 
 
@@ -293,7 +296,7 @@ def test_session_end_to_end_over_a_crafted_checkout(tmp_path):
         online_requests = hub.total_requests()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = read_valid(tmp_path / "artifacts" / "cpu_unit" / "summary.json")
-    assert SUMMARY_KEYS <= set(summary) and summary["files_source"] == "upstream-pipeline"
+    assert set(summary) >= SUMMARY_KEYS and summary["files_source"] == "upstream-pipeline"
     assert summary["files"] == ["tests/v1/spec_decode/test_ngram.py", "tests/v1/test_misc.py"]
     assert summary["drift"]["added"] == ["tests/v1/test_misc.py"] and len(summary["drift"]["removed"]) == 13
     assert summary["counts"] == {"executed": 4, "passed": 4, "failed": 0, "errors": 0, "skipped": 1, "xfailed": 0}

@@ -6,6 +6,7 @@ nothing here downloads the real 44 MB sdist or imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -33,10 +34,8 @@ PIPELINE = ".buildkite/hardware_tests/cpu.yaml"
 def _real_pipeline() -> Path | None:
     """vLLM's cpu.yaml from a checkout, the harness cache, or the unpacked sdist on this machine."""
     candidates = [os.environ.get(upstream.SOURCE_DIR_VAR), "/tmp/sd/vllm-0.32.0"]
-    try:
+    with contextlib.suppress(upstream.UpstreamError):
         candidates.append(str(upstream._upstream_dir() / f"vllm-{upstream.installed_version()}"))
-    except upstream.UpstreamError:
-        pass
     for root in filter(None, candidates):
         if (Path(root) / PIPELINE).is_file():
             return Path(root) / PIPELINE
@@ -122,8 +121,9 @@ def test_missing_pipeline_file(tmp_path):
 def test_drift_pairs_vllms_real_rename():
     pinned = ["tests/v1/worker/test_gpu_autoregressive_speculator.py", "tests/v1/worker/test_gpu_batch_ordering.py",
               "tests/v1/spec_decode/test_ngram.py"]
-    listed = ["tests/v1/worker/test_gpu_target_dependent_ar_speculator.py", "tests/v1/worker/test_gpu_batch_ordering.py",
-              "tests/v1/spec_decode/test_ngram.py", "tests/v1/spec_decode/test_dflash2.py"]
+    listed = ["tests/v1/worker/test_gpu_target_dependent_ar_speculator.py",
+              "tests/v1/worker/test_gpu_batch_ordering.py", "tests/v1/spec_decode/test_ngram.py",
+              "tests/v1/spec_decode/test_dflash2.py"]
     gap = upstream.drift(pinned, listed)
     assert gap.renamed == [("tests/v1/worker/test_gpu_autoregressive_speculator.py",
                             "tests/v1/worker/test_gpu_target_dependent_ar_speculator.py")]
@@ -271,7 +271,8 @@ def test_sdist_is_fetched_once_then_reused_without_any_request(cache, index):
     # only tests/, .buildkite/ and the pytest config: never the sdist's vllm/ or its metadata
     assert sorted(p.name for p in root.iterdir()) == [".buildkite", upstream.MARKER, "pyproject.toml", "tests"]
     config = (root / "pyproject.toml").read_text()
-    assert "markers" in config and "asyncio_mode" in config and "coverage" not in config and "build-system" not in config
+    assert "markers" in config and "asyncio_mode" in config
+    assert "coverage" not in config and "build-system" not in config
     described = upstream.describe(root)
     assert described["sha256"] == hashlib.sha256(served.sdist).hexdigest() and described["version"] == "9.9.9"
 
@@ -340,7 +341,8 @@ def test_checkout_is_copied_without_its_vllm_package(cache, tmp_path):
     assert sorted(p.name for p in root.iterdir()) == [".buildkite", upstream.MARKER, "pyproject.toml", "tests"]
     assert upstream.describe(root)["path"] == str(checkout)
     (checkout / "tests" / "v1" / "test_two.py").write_text("def test_two(): pass\n")
-    assert (upstream.tree("0.0.0", environ={upstream.SOURCE_DIR_VAR: str(checkout)}) / "tests" / "v1" / "test_two.py").is_file()
+    rebuilt = upstream.tree("0.0.0", environ={upstream.SOURCE_DIR_VAR: str(checkout)})
+    assert (rebuilt / "tests" / "v1" / "test_two.py").is_file()
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [root.name]  # no leftovers
 
 

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from contract import read_valid
 from hubserver import ConnectionGuard, HubServer, Repo, closed_endpoint, hf_env, write_manifest
 
-from contract import read_valid
 from specgate import cli, envpin, fixtures, pytestrun, sources, warm
-from specgate.summary import begin as begin_record, finish as finish_record
 from specgate.manifest import REPO_ROOT, load
+from specgate.summary import begin as begin_record
+from specgate.summary import finish as finish_record
 
 REPO_ID = "acme/tiny-model"
 OTHER_ID = "acme/unit-only"
@@ -119,8 +120,9 @@ def test_sigkill_mid_download_leaves_nothing_mistaken_for_complete(case, hub):
     assert snap.path is None and "model.safetensors" in snap.reason
     manifest_obj = load(manifest)
     assert sources.resolve(manifest_obj, REPO_ID, "hub", cache_dir=cache(tmp)).status == "missing"
+    fetch = f"from huggingface_hub import snapshot_download as d; d({REPO_ID!r}, revision={COMMIT!r})"
     offline = subprocess.run(
-        [sys.executable, "-c", f"from huggingface_hub import snapshot_download as d; d({REPO_ID!r}, revision={COMMIT!r})"],
+        [sys.executable, "-c", fetch],
         env=hf_env(hub.endpoint, tmp / "home", HF_HUB_OFFLINE="1"), capture_output=True, text=True)
     assert offline.returncode != 0, offline.stdout  # nor does huggingface_hub's own offline lookup take it
 
@@ -170,7 +172,8 @@ def test_401_is_auth_and_not_retried(case, hub, capsys):
     hub.fail(401, kind="tree", times=100)
     assert run_here(tmp, manifest, ["cpu_e2e"], "hub") == 75
     assert hub.count("GET", "tree") == 1
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"missing: {REPO_ID}"))
+    line = next(printed for printed in capsys.readouterr().out.splitlines()
+                if printed.startswith(f"missing: {REPO_ID}"))
     assert "auth" in line and "set HF_TOKEN and accept the licence at https://huggingface.co/acme/tiny-model" in line
 
 
@@ -179,7 +182,8 @@ def test_404_is_failure_and_not_retried(case, hub, capsys):
     hub.fail(404, kind="tree", times=100)
     assert run_here(tmp, manifest, ["cpu_e2e"], "hub") == 75
     assert hub.count("GET", "tree") == 1
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"missing: {REPO_ID}"))
+    line = next(printed for printed in capsys.readouterr().out.splitlines()
+                if printed.startswith(f"missing: {REPO_ID}"))
     assert "failure" in line
 
 
@@ -189,10 +193,10 @@ def test_hub_mode_with_unreachable_hub_exits_75_quickly(case, monkeypatch, capsy
     started = time.monotonic()
     assert run_here(tmp, manifest, None, "hub") == 75
     assert time.monotonic() - started < 10
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("missing: ")]
-    assert len(lines) == 2 and all("hub unreachable" in l for l in lines), lines
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("missing: ")]
+    assert len(lines) == 2 and all("hub unreachable" in line for line in lines), lines
     data = summary(tmp)
-    assert SUMMARY_KEYS <= set(data) and data["exit_code"] == 75 and data["model_mode"] == "hub"
+    assert set(data) >= SUMMARY_KEYS and data["exit_code"] == 75 and data["model_mode"] == "hub"
     assert set(statuses(data).values()) == {"missing"}
     junit = pytestrun.read_junit(tmp / "artifacts" / "warm_cache" / "junit.xml")
     assert len(junit) == 2 and all(r.outcome == "failed" and "hub unreachable" in r.message for r in junit)
@@ -206,7 +210,7 @@ def test_auto_mode_falls_back_to_fixtures_and_exits_0(case, monkeypatch, capsys)
     out = capsys.readouterr().out
     assert f"fixture: {REPO_ID}: hub unreachable" in out
     data = summary(tmp)
-    assert SUMMARY_KEYS <= set(data) and data["exit_code"] == 0 and data["model_mode"] == "auto"
+    assert set(data) >= SUMMARY_KEYS and data["exit_code"] == 0 and data["model_mode"] == "auto"
     rows = {c["repo_id"]: c for c in data["checkpoints"]}
     assert rows[REPO_ID]["source"] == "fixture" and rows[REPO_ID]["fixture"] == "tiny-qwen3"
     assert Path(rows[REPO_ID]["path"]).is_dir() and rows[REPO_ID]["size_bytes"] > 0
@@ -251,7 +255,8 @@ def test_gated_checkpoint_without_token_asks_for_one_without_network(case, hub, 
     manifest = write_manifest(tmp, {REPO_ID: {"revision": COMMIT, "suites": ["cpu_e2e"], "gated": True}})
     assert run_here(tmp, manifest, None, "hub") == 75
     assert hub.total_requests() == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"missing: {REPO_ID}"))
+    line = next(printed for printed in capsys.readouterr().out.splitlines()
+                if printed.startswith(f"missing: {REPO_ID}"))
     assert "gated and no HF token is set" in line and "set HF_TOKEN and accept the licence" in line
 
 
@@ -262,7 +267,8 @@ def test_unpinned_checkpoint_is_never_fetched(case, hub, capsys):
                                               "suites": ["cpu_e2e"]}})
     assert run_here(tmp, manifest, None, "hub") == 75
     assert hub.total_requests() == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"missing: {REPO_ID}"))
+    line = next(printed for printed in capsys.readouterr().out.splitlines()
+                if printed.startswith(f"missing: {REPO_ID}"))
     assert "no pinned revision in the manifest (commit unknown)" in line
     assert run_here(tmp, manifest, None, "auto") == 0
     assert statuses(summary(tmp))[REPO_ID] == "fixture"
@@ -276,9 +282,9 @@ def test_cli_hub_mode_on_the_real_manifest_without_a_hub_exits_75(tmp_path):
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 75, proc.stdout + proc.stderr
     expected = [c.repo_id for c in load().checkpoints_for(["cpu_unit"])]
-    missing = [l for l in proc.stdout.splitlines() if l.startswith("missing: ")]
-    assert [l.split(":")[1].strip() for l in missing] == expected
-    assert all("hub unreachable" in l for l in missing)
+    missing = [line for line in proc.stdout.splitlines() if line.startswith("missing: ")]
+    assert [line.split(":")[1].strip() for line in missing] == expected
+    assert all("hub unreachable" in line for line in missing)
     data = summary(tmp_path, "a")
-    assert SUMMARY_KEYS <= set(data) and data["exit_code"] == 75 and data["suites"] == ["cpu_unit"]
+    assert set(data) >= SUMMARY_KEYS and data["exit_code"] == 75 and data["suites"] == ["cpu_unit"]
     assert set(data["fixtures"]) == set(load().fixtures)

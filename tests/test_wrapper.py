@@ -49,7 +49,8 @@ class Stub:
         self.script = tmp_path / "stub.py"
         self.script.write_text(STUB)
         self.plan = tmp_path / "plan.json"
-        self.plan.write_text(json.dumps([{**step, "log": str(step["log"]) if step.get("log") else None} for step in plan]))
+        steps = [{**step, "log": str(step["log"]) if step.get("log") else None} for step in plan]
+        self.plan.write_text(json.dumps(steps))
         self.records = tmp_path / "records.txt"
 
     @property
@@ -324,8 +325,10 @@ def test_docker_dry_run_shows_the_command_with_secrets_masked(tmp_path):
                       out)
     assert client, out
     home = str(tmp_path)
-    for piece in (f"-v {home}/.cache/huggingface:/root/.cache/huggingface", f"-v {home}/.cache/vllm:/root/.cache/vllm",
-                  f"-v {home}/.cache/specgate:/root/.cache/specgate", f"-v {REPO}:/workspace/specgate -w /workspace/specgate",
+    for piece in (f"-v {home}/.cache/huggingface:/root/.cache/huggingface",
+                  f"-v {home}/.cache/vllm:/root/.cache/vllm",
+                  f"-v {home}/.cache/specgate:/root/.cache/specgate",
+                  f"-v {REPO}:/workspace/specgate -w /workspace/specgate",
                   " -e HF_TOKEN ", "-e HF_HUB_OFFLINE=1 -e HF_DATASETS_OFFLINE=1 -e SPECGATE_ONLINE=0",
                   f"-e SPECGATE_ATTEMPT=1 -e SPECGATE_STEP_MARKER={client[1]} ",
                   "-e BUILDKITE_PARALLEL_JOB ", "-e SPECGATE_MODEL_SOURCE ",
