@@ -13,7 +13,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from specgate.noxsupport import lock_constraints, run_module  # noqa: E402
+from specgate.noxsupport import lock_constraints, run_module, static_check  # noqa: E402
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -25,8 +25,20 @@ PYTHON = "3.11"
 
 @nox.session(python=PYTHON, tags=["check"])
 def tests(session: nox.Session) -> None:
-    """Run the harness's own fast tests (no vLLM engine starts)."""
+    """Run the harness's own tests, the Buildkite job chain (tests/ci) included."""
     run_module(session, "specgate.selftest")
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def lint(session: nox.Session) -> None:
+    """Lint the repository with ruff (rules in pyproject.toml)."""
+    static_check(session, "ruff", "check", ".")
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def typecheck(session: nox.Session) -> None:
+    """Type-check specgate/ with mypy (settings in pyproject.toml)."""
+    static_check(session, "mypy")
 
 
 @nox.session(python=PYTHON, tags=["gate"])
@@ -45,6 +57,12 @@ def cpu_unit(session: nox.Session) -> None:
 def cpu_e2e(session: nox.Session) -> None:
     """Run engine-level spec-decode e2e tests in torch.compile mode."""
     run_module(session, "specgate.e2e")
+
+
+@nox.session(python=PYTHON, default=False)
+def mutants(session: nox.Session) -> None:
+    """Inject each catalogued spec-decode fault into the engine and see which e2e checks kill it."""
+    run_module(session, "specgate.mutants")
 
 
 @nox.session(python=PYTHON, default=False)

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,12 +257,13 @@ def _error_record(exc: BaseException) -> dict[str, str | None]:
 
 def relay(error: dict[str, str | None]) -> BaseException:
     """The engine process's exception, re-created with its traceback where it unpickles."""
-    if error.get("pickle"):
+    pickled = error.get("pickle")
+    if pickled:
         from tblib import pickling_support
 
         pickling_support.install()
         try:
-            return pickle.loads(base64.b64decode(error["pickle"]))
+            return pickle.loads(base64.b64decode(pickled))
         except Exception:
             pass
     return EngineProcessError(f"{error['type']}: {error['message']}\n{error['traceback']}")
@@ -272,7 +274,8 @@ LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's 
                    "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
 
 
-def _generate_all(runs: list[dict[str, Any]], result_path: Path) -> None:
+def _generate_all(runs: list[dict[str, Any]], result_path: Path,
+                  mutant_fired: Callable[[], int] | None = None) -> None:
     """Child side: engines one after another in this process, the result file rewritten
     after each. Stops early (the parent starts a fresh process for the rest) after a
     failed engine, whose leftovers could spoil the next, or once llvmlite is loaded."""
@@ -283,6 +286,8 @@ def _generate_all(runs: list[dict[str, Any]], result_path: Path) -> None:
             stopped = LLVMLITE_DEFECT
             break
         results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"])
+        if mutant_fired is not None:   # how often the injected fault changed something in this engine
+            results[run["key"]]["mutant_fired"] = mutant_fired()
         _write_json(result_path, {"results": results, "stopped": None})
         if results[run["key"]]["error"]:
             stopped = "an engine failed"
@@ -334,7 +339,14 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
 
 def main(argv: list[str]) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    _generate_all(json.loads(request_path.read_text(encoding="utf-8")), result_path)
+    mutant_fired = None
+    mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.mutants)
+    if mutant:
+        from specgate.mutants import catalogue
+
+        catalogue.install(mutant)
+        mutant_fired = catalogue.take_fired
+    _generate_all(json.loads(request_path.read_text(encoding="utf-8")), result_path, mutant_fired)
     return 0
 
 

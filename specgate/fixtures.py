@@ -5,17 +5,22 @@ builder (FIXTURE_KINDS[kind]) is a pure function of those params: weights come f
 torch.Generator or are set by hand, keys are written in sorted order, nothing reads the clock.
 So two builds of one fixture are byte-identical. A build takes seconds and writes config.json,
 model.safetensors, a 512-token byte-level BPE tokenizer and fixture.json (the facts tests read)
-into ``cache_root()/fixtures/NAME-HASH``; HASH covers this file's source, the kind, the params
-and the versions of the libraries that produce the bytes, so any change means a new folder.
+into ``cache_root()/fixtures/NAME-HASH``; HASH covers the builders' sources (this file and
+specgate.knownanswer), the kind, the params and the versions of the libraries that produce the
+bytes, so any change means a new folder.
 
 Every model shares one shape so that any draft pairs with any target: vocabulary V = 512,
-hidden size 512, heads of dimension 64 (CPU attention rejects 16), two target layers.
+hidden size 512, heads of dimension 64 (CPU attention rejects 16), two target layers. The one
+exception is the MiMo context target (1024 wide, see MIMO_CONTEXT_HIDDEN), whose only draft is
+its own MTP layer.
 
-"Successor" fixtures are known-answer models: weights set by hand so that greedy decoding
-continues every prompt with (t + 1) mod V, and their drafts propose exactly those tokens, so
-every draft position must be accepted. The designs are documented at each builder; they zero
-the attention and MLP *outputs* (o_proj, down_proj) but keep the other weights random, so the
-kernels still compute on real numbers and a NaN anywhere would still reach the logits.
+Known-answer fixtures have weights set by hand. The "context" targets continue a prompt by
+reading the previous token through attention (specgate.knownanswer: x[t-1] + 2), so a fault in
+the verification step's attention, positions or KV cache changes their output; the
+"successor" drafts propose (t + 1) chains, exact where the target's answer is such a chain and
+wrong at known positions elsewhere. The designs are documented at each builder; weights a
+design does not need stay random (outputs it must not see are zeroed), so the kernels still
+compute on real numbers and a NaN anywhere would still reach the logits.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from specgate import knownanswer
 from specgate.manifest import Fixture, Manifest, ManifestError, load
 from specgate.paths import cache_root
 
@@ -46,7 +52,7 @@ EOS_ID = 510                  # "<|endoftext|>"
 MASK_ID = 511                 # "<|mask|>", DFlash's mask slot token
 SPECIAL_TOKENS = ("<|endoftext|>", "<|mask|>")
 BYTES_LIBRARIES = ("torch", "safetensors", "tokenizers", "transformers")
-SOURCE = Path(__file__)
+SOURCES = (Path(__file__), Path(knownanswer.__file__))   # the bytes follow both
 EMBED = "model.embed_tokens.weight"
 
 
@@ -73,14 +79,6 @@ def _kind(name: str, **defaults: Any) -> Callable:
         _DEFAULT_PARAMS[name] = defaults
         return builder
     return register
-
-
-def expected_successor(prompt_token_ids: Sequence[int], n: int, vocab: int = VOCAB) -> list[int]:
-    """The greedy continuation of a successor target: (last + 1), (last + 2), ... mod vocab."""
-    if not prompt_token_ids:
-        raise ValueError("a successor continuation needs a non-empty prompt")
-    last = prompt_token_ids[-1]
-    return [(last + i) % vocab for i in range(1, n + 1)]
 
 
 # ---------------------------------------------------------------------------
@@ -162,11 +160,13 @@ def _randomize(shapes: dict[str, tuple[int, ...]], seed: int, std: float = 0.02,
     return out
 
 
-def _successor_map(n: int = VOCAB):
-    """lm_head rows: logit (t + 1) mod n reads hidden dimension t."""
+def _token_map(hidden: int, shift: int = 0):
+    """[hidden, hidden]: token t's dimension (the first V of the residual) to t + shift mod V."""
     import torch
 
-    return torch.roll(torch.eye(n), shifts=1, dims=0)
+    out = torch.zeros(hidden, hidden)
+    out[:VOCAB, :VOCAB] = torch.roll(torch.eye(VOCAB), shifts=shift, dims=0)
+    return out
 
 
 def _bf16(tensors: dict[str, Any]) -> dict[str, Any]:
@@ -194,13 +194,13 @@ def _qwen3_config(**overrides: Any) -> Any:
                           "architectures": ["Qwen3ForCausalLM"], **overrides})
 
 
-def _target_facts(config: Any, method: str | None = None, successor: bool = False) -> dict[str, Any]:
+def _target_facts(config: Any, method: str | None = None) -> dict[str, Any]:
     return {
         "role": "target", "architecture": config.architectures[0], "model_type": config.model_type,
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_hidden_layers,
         "max_position_embeddings": config.max_position_embeddings,
-        "eos_token_id": EOS_ID, "successor": successor, "speculative_method": method,
+        "eos_token_id": EOS_ID, "known_answer": None, "speculative_method": method,
     }
 
 
@@ -259,27 +259,100 @@ def build_qwen3_random(p: dict[str, Any]) -> Built:
     return Built(_config_dict(config), tensors, {**_target_facts(config, "ngram"), **planted})
 
 
-def _make_successor(tensors: dict[str, Any], layer_prefix: str = "model.layers.") -> None:
-    """Identity embeddings, zero attention/MLP outputs, successor lm_head: after the final
-    RMSNorm the hidden state is sqrt(V) * e(t) and the only non-zero logit is t + 1."""
+# Context known-answer targets: greedy next token is x[t-1] + 2 (specgate.knownanswer), read
+# through layer 0's attention. Residual stream: the embedding is CONTEXT_EMBED * e(t), one-hot.
+# Layer 0 has 16 query heads over 8 KV heads; KV head c carries dims 64c..64c+63 of the
+# one-hot as its value and a key that is the same for every token, so a head reads by position
+# only (knownanswer's kernel, score margin CONTEXT_SCORE_MARGIN). In each pair of query heads:
+# - the previous-token head (centre 1) reads x[t-1] and writes e(x[t-1] + 2) with weight 1;
+# - the self head (centre -1: it would read the *next* token) reads x[t] under a causal mask
+#   and writes -CONTEXT_EMBED * e(x[t]), cancelling the embedding exactly.
+# So the final residual is e(x[t-1] + 2) and the identity lm_head answers x[t-1] + 2 with a
+# margin of sqrt(V) = 22.6 logits. Faults move the answer: a future key leaking into the block
+# leaves CONTEXT_EMBED * (e(x[t+1]) - e(x[t])), which outweighs the previous-token term (the
+# answer becomes x[t+1]); a missing, stale or mispositioned key changes what either head reads.
+# Every other layer output (layer 0's MLP, all of layer 1) is zero.
+CONTEXT_EMBED = 2.0
+CONTEXT_SCORE_MARGIN = 30.0
+CONTEXT_HEADS, CONTEXT_KV_HEADS = 16, 8
+
+
+def _context_head_vectors() -> tuple[Any, Any, Any]:
+    """Unit key, previous-token query and self query (64 dims each, neox pair layout)."""
     import torch
 
-    tensors[EMBED] = torch.eye(VOCAB)
-    tensors["lm_head.weight"] = _successor_map()
+    half = HEAD_DIM // 2
+    key, prev, own = torch.zeros(HEAD_DIM), torch.zeros(HEAD_DIM), torch.zeros(HEAD_DIM)
+    for i, w in enumerate(knownanswer.weights()):
+        theta = knownanswer.frequency(i)
+        key[i] = math.sqrt(w)
+        for query, centre in ((prev, 1), (own, -1)):       # phase -centre * theta moves the peak to centre
+            query[i] = math.sqrt(w) * math.cos(centre * theta)
+            query[i + half] = -math.sqrt(w) * math.sin(centre * theta)
+    return key, prev, own
+
+
+def context_scale() -> float:
+    """Norm of the query and key vectors: the score is scale^2 / 8 * g, so the kernel's margin
+    becomes CONTEXT_SCORE_MARGIN in the softmax."""
+    return math.sqrt(8 * CONTEXT_SCORE_MARGIN / min(knownanswer.margins()))
+
+
+def _make_context(tensors: dict[str, Any], body: str, qk_norm: bool, hidden: int = HIDDEN) -> dict[str, Any]:
+    """Set a target's embedding, layer 0 attention and identity lm_head as described above and
+    zero every other layer output under `body`; returns the facts to record. Tokens live in the
+    first V dimensions of a residual of `hidden` >= V dimensions."""
+    import torch
+
+    key, prev, own = _context_head_vectors()
+    queries = torch.stack([prev, own] * CONTEXT_KV_HEADS)                  # query head 2c + r
+    keys = key.repeat(CONTEXT_KV_HEADS, 1)
+    scale = context_scale()
+    attn = f"{body}layers.0.self_attn."
+    columns = math.sqrt(hidden)                      # input_layernorm turns k * e(t) into sqrt(H) e(t)
+    if qk_norm:   # Qwen3: q_norm/k_norm rescale each head to RMS `weight`; |u| = 1 has RMS 1/8
+        tensors[f"{attn}q_norm.weight"] = torch.full((HEAD_DIM,), scale / 8)
+        tensors[f"{attn}k_norm.weight"] = torch.full((HEAD_DIM,), scale / 8)
+        queries, keys = queries / columns, keys / columns
+    else:         # Qwen2: the projection itself sets the norm (biases zero)
+        queries, keys = queries * scale / columns, keys * scale / columns
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            tensors[f"{attn}{proj}.bias"].zero_()
+    tensors[f"{attn}q_proj.weight"] = queries.reshape(-1, 1).expand(-1, hidden).clone()
+    tensors[f"{attn}k_proj.weight"] = keys.reshape(-1, 1).expand(-1, hidden).clone()
+    tensors[f"{attn}v_proj.weight"] = _token_map(hidden)[:VOCAB] / columns
+    o_proj = torch.zeros(hidden, CONTEXT_HEADS * HEAD_DIM)
+    for c in range(CONTEXT_KV_HEADS):
+        for d in range(HEAD_DIM):
+            token = c * HEAD_DIM + d
+            o_proj[(token + 2) % VOCAB, (2 * c) * HEAD_DIM + d] = 1.0
+            o_proj[token, (2 * c + 1) * HEAD_DIM + d] = -CONTEXT_EMBED
+    tensors[f"{attn}o_proj.weight"] = o_proj
     for name in tensors:
-        if name.startswith(layer_prefix) and name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.startswith(body) and name.endswith(("o_proj.weight", "down_proj.weight")) \
+                and not name.startswith(attn):
             tensors[name] = torch.zeros_like(tensors[name])
+    tensors[EMBED] = CONTEXT_EMBED * _token_map(hidden)[:VOCAB]
+    tensors["lm_head.weight"] = _token_map(hidden)[:VOCAB]
+    prev_margin, self_margin = knownanswer.margins()
+    return {"known_answer": knownanswer.CONTEXT_RULE, "attention_score_margin": CONTEXT_SCORE_MARGIN,
+            "kernel_margins": {"previous": prev_margin, "self": self_margin},
+            "exact_up_to_positions": knownanswer.MAX_DISTANCE}
 
 
-@_kind("qwen3-successor", seed=0)
-def build_qwen3_successor(p: dict[str, Any]) -> Built:
-    """Known-answer Qwen3 target: greedy next token is (t + 1) mod V, exact in bf16."""
+_CONTEXT = dict(num_attention_heads=CONTEXT_HEADS, num_key_value_heads=CONTEXT_KV_HEADS,
+                rope_parameters={"rope_type": "default", "rope_theta": knownanswer.ROPE_THETA})
+
+
+@_kind("qwen3-context", seed=0)
+def build_qwen3_context(p: dict[str, Any]) -> Built:
+    """Known-answer Qwen3 target whose answer depends on the previous token (x[t-1] + 2)."""
     from transformers import Qwen3ForCausalLM
 
-    config = _qwen3_config()
+    config = _qwen3_config(**_CONTEXT)
     tensors = _randomize(_hf_shapes(Qwen3ForCausalLM, config), p["seed"])
-    _make_successor(tensors)
-    return Built(_config_dict(config), tensors, _target_facts(config, None, successor=True))
+    facts = _make_context(tensors, "model.", qk_norm=True)
+    return Built(_config_dict(config), tensors, {**_target_facts(config), **facts})
 
 
 # ---------------------------------------------------------------------------
@@ -309,7 +382,7 @@ def _eagle3_config(**overrides: Any) -> dict[str, Any]:
 def _eagle3_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     h, q = config["hidden_size"], config["num_attention_heads"] * HEAD_DIM
     kv, inter = config["num_key_value_heads"] * HEAD_DIM, config["intermediate_size"]
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "midlayer.self_attn.q_proj.weight": (q, 2 * h),        # input: [embeds, hidden]
         "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
         "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
@@ -336,12 +409,14 @@ def build_eagle3_random(p: dict[str, Any]) -> Built:
 
 @_kind("eagle3-successor", seed=0)
 def build_eagle3_successor(p: dict[str, Any]) -> Built:
-    """Known-answer EAGLE-3 draft for a successor target: every draft step moves one token on.
+    """Known-answer EAGLE-3 draft proposing successor chains: every draft step moves one token on.
 
-    At position i the draft gets the target's hidden states for token t_i and must propose
-    t_i + 2; its own output hidden state becomes the next step's input and must stand for t_i + 1.
-    - fc picks the aux state of layer 0, the embedding e(t_i) (every aux state is e(t) in a
-      successor target); with norm_before_residual the residual is hidden_norm(h) = sqrt(V) e(t).
+    At position i the draft gets the target's hidden states for token t_i and proposes t_i + 2
+    (right for the context target: x[i+2] = x[i] + 2); its own output hidden state becomes the
+    next step's input and stands for t_i + 1, so step s proposes t_i + s + 1 (right only where
+    the target's answer is a successor chain: elsewhere step 2 is wrong).
+    - fc picks the aux state of layer 0, the embedding (a multiple of e(t_i)); with
+      norm_before_residual the residual is hidden_norm(h) = sqrt(V) e(t).
     - Attention is off (o_proj = 0), so the MLP sees sqrt(V) e(t) only. It is a lookup table:
       gate = 4 I and up = I give 4 sqrt(V) * sqrt(V) = 2048 on neuron t (silu(90.5) = 90.5), and
       down = e(t + 1) / 64 - e(t) / (4 sqrt(V)) writes 32 e(t + 1) and cancels the residual.
@@ -358,8 +433,8 @@ def build_eagle3_successor(p: dict[str, Any]) -> Built:
     tensors["fc.weight"] = torch.cat([eye, unused_aux], dim=1)
     tensors["midlayer.mlp.gate_proj.weight"] = 4 * eye
     tensors["midlayer.mlp.up_proj.weight"] = eye.clone()
-    tensors["midlayer.mlp.down_proj.weight"] = _successor_map() / 64 - eye / (4 * math.sqrt(VOCAB))
-    tensors["lm_head.weight"] = _successor_map()
+    tensors["midlayer.mlp.down_proj.weight"] = _token_map(HIDDEN, 1) / 64 - eye / (4 * math.sqrt(VOCAB))
+    tensors["lm_head.weight"] = _token_map(HIDDEN, 1)
     return Built(config, tensors, _draft_facts(config, "eagle3", EAGLE3_AUX_LAYERS, successor=True))
 
 
@@ -367,11 +442,11 @@ def build_eagle3_successor(p: dict[str, Any]) -> Built:
 # MiMo targets with one MTP layer in the same checkpoint (method "mtp", no draft model)
 # ---------------------------------------------------------------------------
 
-def _mimo_config() -> Any:
+def _mimo_config(**overrides: Any) -> Any:
     from transformers import Qwen2Config
 
     return Qwen2Config(**{**_COMMON, "num_hidden_layers": TARGET_LAYERS,
-                          "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
+                          "architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1, **overrides})
 
 
 def _mimo_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -397,24 +472,30 @@ def build_mimo_mtp_random(p: dict[str, Any]) -> Built:
     return Built(_config_dict(config), tensors, {**_target_facts(config, "mtp"), **planted})
 
 
-@_kind("mimo-mtp-successor", seed=0)
-def build_mimo_mtp_successor(p: dict[str, Any]) -> Built:
-    """Known-answer MiMo target: the body is a successor target, and the MTP layer proposes the
-    successor of its input token.
+# vLLM's Qwen2 attention takes head_dim = hidden_size / heads, so MiMo's 16 heads of 64 need a
+# 1024-wide residual (tokens in its first V dimensions).
+MIMO_CONTEXT_HIDDEN = CONTEXT_HEADS * HEAD_DIM
 
-    At position i the MTP layer gets embed(t_{i+1}) and the target's last hidden state for t_i,
-    and must propose t_{i+1} + 1. input_proj = [S / 2, I] over [hidden, embeds] (S the successor
-    shift), so it carries e(t_{i+1}) from the embedding and, at half weight, from the hidden
-    state; the MTP block's outputs are zero and the successor lm_head adds the final + 1.
-    The hidden half matters only at position 0, where MiMo zeroes the embedding.
+
+@_kind("mimo-mtp-context", seed=0)
+def build_mimo_mtp_context(p: dict[str, Any]) -> Built:
+    """Known-answer MiMo target: the body is a context target (x[t-1] + 2, see _make_context) and
+    the MTP layer proposes successor chains.
+
+    At position i the MTP layer gets embed(t_{i+1}) and the target's hidden state at i, which
+    is e(x[i-1] + 2) = e(t_{i+1}); it proposes t_{i+1} + 1. input_proj = [S, S / 2] over
+    [hidden, embeds] (S the successor shift) writes e(t_{i+1} + 1) from both halves, the hidden
+    half dominating (so a wrong hidden state shows in the draft; at position 0 MiMo zeroes the
+    embedding anyway). The MTP block's outputs are zero and the lm_head is the identity.
     """
     import torch
 
-    config = _mimo_config()
+    config = _mimo_config(**_CONTEXT, hidden_size=MIMO_CONTEXT_HIDDEN)
     tensors = _randomize(_mimo_shapes(config), p["seed"])
-    _make_successor(tensors, layer_prefix="model.")
-    tensors["model.mtp_layers.0.input_proj.weight"] = torch.cat([_successor_map() / 2, torch.eye(VOCAB)], 1)
-    return Built(_config_dict(config), tensors, _target_facts(config, "mtp", successor=True))
+    facts = _make_context(tensors, "model.", qk_norm=False, hidden=MIMO_CONTEXT_HIDDEN)
+    shift = _token_map(MIMO_CONTEXT_HIDDEN, 1)
+    tensors["model.mtp_layers.0.input_proj.weight"] = torch.cat([shift, shift / 2], 1)
+    return Built(_config_dict(config), tensors, {**_target_facts(config, "mtp"), **facts})
 
 
 # ---------------------------------------------------------------------------
@@ -489,8 +570,9 @@ def dflash_kernel(k_max: int) -> tuple[float, float]:
 
 @_kind("dflash-successor", seed=0, max_speculative_tokens=5)
 def build_dflash_successor(p: dict[str, Any]) -> Built:
-    """Known-answer DFlash draft for a successor target: mask slot j proposes x + j, where x is
-    the bonus token of its query block, for every j <= max_speculative_tokens (K).
+    """Known-answer DFlash draft proposing successor chains: mask slot j proposes x + j, where x
+    is the bonus token of its query block, for every j <= max_speculative_tokens (K). Paired with
+    a context target, whose embedding (CONTEXT_EMBED * I) and identity lm_head it shares.
 
     A query block is [x, mask, ..., mask] at positions p..p+k, attending (non-causally) to each
     other and to context K/V at positions < p. Each slot must find x and know its own offset j,
@@ -503,10 +585,10 @@ def build_dflash_successor(p: dict[str, Any]) -> Built:
       is +margin for the key exactly h positions back and <= -margin for every other key in the
       block, so it reads the token h back when that is in the block, else the zero context.
     - Slot j thus gets from head h: the mask token (h < j), x (h = j), nothing (h > j). o_proj
-      writes head h's token t to residual dim t + h - 1 with weight 3 h. Dim x + j - 1 gets 3 j
-      and no other dim gets more than max(1 + 3, 3 (j - 1)) (the slot's own mask embedding plus
-      the masks), so after the final norm the target's successor lm_head peaks at x + j, also
-      when x is the mask token itself. The MLP output is zero.
+      writes head h's token t to residual dim t + h with weight 3 h. Dim x + j gets 3 j and no
+      other dim gets more than max(CONTEXT_EMBED, 3 (j - 1)) (the slot's own embedding, the
+      masks' dims), so after the final norm the identity lm_head peaks at x + j. The MLP
+      output is zero.
     """
     import torch
 
@@ -543,7 +625,7 @@ def build_dflash_successor(p: dict[str, Any]) -> Built:
         for h in range(1, k_max + 1):
             column = (c * k_max + h - 1) * HEAD_DIM
             for d in range(HEAD_DIM):
-                o_proj[(c * HEAD_DIM + d + h - 1) % VOCAB, column + d] = 3.0 * h
+                o_proj[(c * HEAD_DIM + d + h) % VOCAB, column + d] = 3.0 * h
     tensors[f"{layer}self_attn.o_proj.weight"] = o_proj
     tensors[f"{layer}mlp.down_proj.weight"].zero_()
     tensors["fc.weight"].zero_()
@@ -607,9 +689,9 @@ def resolve_params(fixture: Fixture) -> dict[str, Any]:
 
 
 def fixture_hash(fixture: Fixture) -> str:
-    """sha256 over everything that decides the bytes: this module's source, the kind, the
+    """sha256 over everything that decides the bytes: the builders' sources, the kind, the
     resolved params and the versions of the libraries that write the files."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     versions = {lib: metadata.version(lib) for lib in BYTES_LIBRARIES}
     payload = {"kind": fixture.kind, "params": resolve_params(fixture), "versions": versions}
     digest.update(json.dumps(payload, sort_keys=True).encode())
@@ -681,14 +763,10 @@ def ensure_all(manifest: Manifest, names: Sequence[str] | None = None) -> dict[s
 
 def describe(manifest: Manifest, name: str) -> dict[str, Any]:
     """name, kind, hash, path and the facts tests need (vocab_size, aux_layer_ids, mask_token_id,
-    ...). Successor targets also get 'expected_successor', the function giving the greedy
-    continuation: expected_successor(prompt_token_ids, n, vocab)."""
+    known_answer: the specgate.knownanswer rule a target's greedy continuation follows, ...)."""
     path = ensure(manifest, name)
     facts = json.loads((path / "fixture.json").read_text(encoding="utf-8"))
-    info = {"name": name, **facts, "path": path}
-    if facts.get("successor") and facts.get("role") == "target":
-        info["expected_successor"] = expected_successor
-    return info
+    return {"name": name, **facts, "path": path}
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Stdlib only: the noxfile imports this before any venv exists.
 
 from __future__ import annotations
 
+import builtins  # _Reader.str shadows the builtin inside the class
 import os
 import re
 import tomllib
@@ -87,12 +88,23 @@ class GateSpec:
     """[gate]: what `nox -s gate` needs before a CI step may drop soft_fail."""
 
     runs: int                                         # clean runs a step needs (--runs overrides)
+    history_builds: int                               # recent builds a Buildkite history reads (--builds overrides)
     budget_s: dict[str, int]                          # step -> its timeout budget in .buildkite/pipeline.yml
     coverage: dict[str, dict[str, dict[str, int]]]    # vLLM version -> step -> test file -> passed tests, at least
 
     def floors(self, vllm_version: str | None, step: str) -> dict[str, int] | None:
         """The step's passed-tests-per-file floor on that vLLM version; None when none is declared."""
         return self.coverage.get(vllm_version or "", {}).get(step)
+
+
+@dataclass(frozen=True)
+class DriftSpec:
+    """[e2e] drift keys: how far a cpu_e2e run may fall behind its recent clean runs (specgate.drift)."""
+
+    window: int                  # the median is taken over this many most recent comparable clean runs
+    acceptance_len_drop: float   # acceptance length may fall this far below the median; further is a regression
+    per_position_drop: float     # so may a draft position's acceptance rate (0..1)
+    slowdown_factor: float       # an engine start or generate time above this multiple of the median warns
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,7 @@ class Manifest:
     e2e_settings: dict[str, Any]
     online_env: dict[str, str]
     gate: GateSpec
+    drift: DriftSpec | None      # None when the manifest has no [e2e] table (no cpu_e2e to compare)
 
     def managed_env_names(self) -> set[str]:
         """Every variable some session pins: each session sets or removes all of them."""
@@ -157,7 +170,7 @@ class _Reader:
             raise self.fail(key, f"one of {', '.join(choices)}", value)
         return value
 
-    def str_list(self, key: str, default: Any = ...) -> tuple[str, ...]:
+    def str_list(self, key: builtins.str, default: Any = ...) -> tuple[builtins.str, ...]:
         value = self.get(key, list, "a list of strings", default)
         if value is default:
             return value
@@ -165,7 +178,7 @@ class _Reader:
             raise self.fail(key, "a list of strings", value)
         return tuple(value)
 
-    def table(self, key: str, default: Any = ...) -> _Reader:
+    def table(self, key: builtins.str, default: Any = ...) -> _Reader:
         value = self.get(key, dict, "a table", default)
         return _Reader(self.path, value if isinstance(value, dict) else {}, f"{self._key(key)}.")
 
@@ -204,7 +217,8 @@ def _checkpoints(root: _Reader, fixtures: dict[str, Fixture]) -> dict[str, Check
         unpinned_reason = entry.str("unpinned_reason", default=None)
         revision = entry.str("revision")
         if not (REVISION_RE.match(revision) or (revision == UNPINNED and unpinned_reason)):
-            raise entry.fail("revision", f"a 40-hex commit revision (or {UNPINNED!r} with an unpinned_reason)", revision)
+            raise entry.fail("revision", f"a 40-hex commit revision (or {UNPINNED!r} with an unpinned_reason)",
+                             revision)
         checkpoints[repo_id] = Checkpoint(
             repo_id=repo_id,
             revision=revision,
@@ -309,8 +323,28 @@ def _gate(root: _Reader, sessions: dict[str, SessionSpec]) -> GateSpec:
             coverage[version][step] = {name: _int_at_least(files, name, 0) for name in files.data}
     return GateSpec(
         runs=_int_at_least(gate, "runs", 1),
+        history_builds=_int_at_least(gate, "history_builds", 1),
         budget_s={step_of(budgets, step): _int_at_least(budgets, step, 1) for step in budgets.data},
         coverage=coverage,
+    )
+
+
+def _drift(root: _Reader) -> DriftSpec | None:
+    if "e2e" not in root.data:
+        return None
+    e2e = root.table("e2e")
+
+    def number(key: str, minimum: float, expected: str) -> float:
+        value = e2e.get(key, (int, float), expected)
+        if isinstance(value, bool) or value < minimum:
+            raise e2e.fail(key, expected, value)
+        return float(value)
+
+    return DriftSpec(
+        window=_int_at_least(e2e, "drift_window", 1),
+        acceptance_len_drop=number("acceptance_len_drop", 0.0, "a number >= 0"),
+        per_position_drop=number("per_position_drop", 0.0, "a number >= 0"),
+        slowdown_factor=number("slowdown_factor", 1.0, "a number >= 1.0"),
     )
 
 
@@ -342,4 +376,5 @@ def load(path: Path | str | None = None) -> Manifest:
         e2e_settings=e2e_settings,
         online_env=_env(root.table("online").table("env")),
         gate=_gate(root, sessions),
+        drift=_drift(root),
     )

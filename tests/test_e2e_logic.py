@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from contract import VALIDATOR, read_valid
-from specgate import e2e, engine, manifest as m, pytestrun
+
+from specgate import engine, knownanswer, pytestrun
+from specgate import manifest as m
+from specgate.e2e import compare, planning, report, runs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,15 +28,15 @@ def _manifest_with(tmp_path: Path, old: str, new: str) -> Path:
 
 
 def _model(name: str, source: str = "fixture", fixture: str | None = None, revision: str = "abcdef0123456789",
-           successor: bool = False) -> e2e.Model:
-    return e2e.Model(name, source, f"/models/{name}", revision, fixture or name, source, "", successor, 512,
+           answer_rule: str | None = None) -> planning.Model:
+    return planning.Model(name, source, f"/models/{name}", revision, fixture or name, source, "", answer_rule, 512,
                      "Qwen3ForCausalLM")
 
 
 # --------------------------------------------------------------------------- settings and selection
 
 def test_real_manifest_settings_parse():
-    settings = e2e.Settings.parse(m.load())
+    settings = planning.Settings.parse(m.load())
     assert settings.compile_backend == "inductor"
     assert any(len(p) == 1 for p in settings.known_answer_prompts), "the 1-token defect needs a 1-token prompt"
     assert len(settings.known_answer_prompts) > 1 and settings.max_num_seqs >= len(settings.prompts)
@@ -49,33 +51,44 @@ def test_real_manifest_settings_parse():
 ])
 def test_bad_settings_name_the_key(tmp_path, old, new, message):
     with pytest.raises(m.ManifestError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        e2e.Settings.parse(m.load(_manifest_with(tmp_path, old, new)))
+        planning.Settings.parse(m.load(_manifest_with(tmp_path, old, new)))
 
 
 def test_selection_covers_each_config_as_the_brief_asks():
     configs = m.load().e2e
     by_id = {c.id: c for c in configs}
-    for test in e2e.SELECTORS:
-        for config_id in e2e.select(configs, test):
+    for test in runs.SELECTORS:
+        for config_id in runs.select(configs, test):
             config = by_id[config_id]
             if test == "v2_smoke":
                 assert config.runner == "v2"
             if test in ("per_position", "one_token_prompt"):
-                assert config.raw["known_answer"]["exact_drafts"] and config.method in e2e.DRAFT_MODEL_METHODS
-    v1 = {by_id[i].method for i in e2e.select(configs, "v1_matches_baseline")}
-    v2 = {by_id[i].method for i in e2e.select(configs, "v2_smoke")}
+                assert config.raw["known_answer"]["exact_drafts"] and config.method in runs.DRAFT_MODEL_METHODS
+    v1 = {by_id[i].method for i in runs.select(configs, "v1_matches_baseline")}
+    v2 = {by_id[i].method for i in runs.select(configs, "v2_smoke")}
     assert v1 == v2 == {"eagle3", "dflash", "mtp"}
-    assert e2e.select(configs, "known_defect") and e2e.select(configs, "ngram")
-    assert set(e2e.select(configs, "per_position")) <= set(e2e.select(configs, "known_answer"))
+    assert runs.select(configs, "known_defect") and runs.select(configs, "ngram")
+    assert set(runs.select(configs, "per_position")) <= set(runs.select(configs, "known_answer"))
 
 
 def test_known_answer_must_name_a_declared_fixture(tmp_path):
-    path = _manifest_with(tmp_path, 'known_answer = { target = "successor-qwen3", floor',
+    path = _manifest_with(tmp_path, 'known_answer = { target = "context-qwen3", floor',
                           'known_answer = { target = "no-such-fixture", floor')
     manifest = m.load(path)
     config = next(c for c in manifest.e2e if c.method == "ngram")
     with pytest.raises(m.ManifestError, match="known_answer.target': expected a fixture declared"):
-        e2e.resolve_config(manifest, config, "fixture")
+        planning.resolve_config(manifest, config, "fixture")
+
+
+@pytest.mark.parametrize("old,new", [
+    ("exact_drafts = true, wrong_at = 1,", "exact_drafts = true,"),
+    ("exact_drafts = true, wrong_at = 1,", "exact_drafts = true, wrong_at = 3,"),
+])
+def test_exact_drafts_need_their_known_wrong_position(tmp_path, old, new):
+    manifest = m.load(_manifest_with(tmp_path, old, new))
+    config = next(c for c in manifest.e2e if c.id == "eagle3-v1")
+    with pytest.raises(m.ManifestError, match=r"known_answer.wrong_at': expected a draft position \(0 .. "):
+        planning.resolve_config(manifest, config, "fixture")
 
 
 # --------------------------------------------------------------------------- engine runs
@@ -84,26 +97,26 @@ def test_a_hub_id_and_its_fixture_share_one_engine():
     """Qwen/Qwen3-4B resolved to tiny-qwen3 and tiny-qwen3 itself load the same files."""
     as_hub_id = _model("Qwen/Qwen3-4B", fixture="tiny-qwen3")
     as_fixture = _model("tiny-qwen3")
-    assert e2e.Run(as_hub_id, None, "none", 0).key == e2e.Run(as_fixture, None, "none", 0).key
+    assert runs.Run(as_hub_id, None, "none", 0).key == runs.Run(as_fixture, None, "none", 0).key
     hub = _model("Qwen/Qwen3-4B", source="hub", revision="1cfa9a7208912126459214e8b04321603b3df60c")
-    assert e2e.Run(hub, None, "none", 0).key != e2e.Run(as_fixture, None, "none", 0).key
+    assert runs.Run(hub, None, "none", 0).key != runs.Run(as_fixture, None, "none", 0).key
 
 
 def test_process_order_keeps_ngram_and_expected_failures_last():
     target = _model("t")
-    base = e2e.Run(target, None, "none", 0)
-    ngram = e2e.Run(target, None, "ngram", 3, (("prompt_lookup_min", 3),))
-    eagle = e2e.Run(target, _model("d"), "eagle3", 3)
-    broken = e2e.Run(_model("q"), None, "mtp", 1, (), (("enable_prefix_caching", True),))
-    order = e2e.process_order([ngram, broken, eagle, base, base], {broken.key})
+    base = runs.Run(target, None, "none", 0)
+    ngram = runs.Run(target, None, "ngram", 3, (("prompt_lookup_min", 3),))
+    eagle = runs.Run(target, _model("d"), "eagle3", 3)
+    broken = runs.Run(_model("q"), None, "mtp", 1, (), (("enable_prefix_caching", True),))
+    order = runs.process_order([ngram, broken, eagle, base, base], {broken.key})
     assert [r.method for r in order] == ["none", "eagle3", "ngram", "mtp"]
 
 
 def test_llm_kwargs_compile_and_only_speculation_asks_for_request_metrics():
-    settings = e2e.Settings.parse(m.load())
+    settings = planning.Settings.parse(m.load())
     target, draft = _model("t"), _model("d")
-    base = e2e.llm_kwargs(e2e.Run(target, None, "none", 0), settings)
-    spec = e2e.llm_kwargs(e2e.Run(target, draft, "eagle3", 3, (), (("enable_prefix_caching", False),)), settings)
+    base = runs.llm_kwargs(runs.Run(target, None, "none", 0), settings)
+    spec = runs.llm_kwargs(runs.Run(target, draft, "eagle3", 3, (), (("enable_prefix_caching", False),)), settings)
     assert "enforce_eager" not in base and "enforce_eager" not in spec
     assert "speculative_config" not in base and "per_request_spec_decode_metrics" not in base
     assert spec["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/models/d"}
@@ -111,73 +124,95 @@ def test_llm_kwargs_compile_and_only_speculation_asks_for_request_metrics():
 
 
 def test_known_answer_runs_drop_the_hub_targets_engine_workaround():
-    config = e2e.Config("mtp-v1", "mtp", "v1", 3, {"hub": 1.5}, _model("Qwen/Qwen3.5-0.8B"), None, {},
+    config = planning.Config("mtp-v1", "mtp", "v1", 3, {"hub": 1.5}, _model("Qwen/Qwen3.5-0.8B"), None, {},
                         {"enable_prefix_caching": False},
-                        {"target": _model("mimo", successor=True), "draft": None, "floor": None, "exact_drafts": True,
-                         "note": None},
+                        {"target": _model("mimo", answer_rule="previous-plus-two"), "draft": None, "floor": None,
+                         "exact_drafts": True, "note": None},
                         None, {})
-    run = e2e.known_answer_run(config)
+    run = runs.known_answer_run(config)
     assert run.engine == () and run.target.name == "mimo"
-    assert e2e.runs_for("known_answer", config) == [run.baseline(), run]
-    assert e2e.runs_for("v1_matches_baseline", config)[1].engine == (("enable_prefix_caching", False),)
+    assert runs.runs_for("known_answer", config) == [run.baseline(), run]
+    assert runs.runs_for("v1_matches_baseline", config)[1].engine == (("enable_prefix_caching", False),)
 
 
 def test_prompts_follow_the_target():
-    settings = e2e.Settings.parse(m.load())
-    known = e2e.Run(_model("s", successor=True), None, "none", 0)
-    prompts, n = e2e.prompts_for(known, settings)
+    settings = planning.Settings.parse(m.load())
+    known = runs.Run(_model("s", answer_rule="previous-plus-two"), None, "none", 0)
+    prompts, n = runs.prompts_for(known, settings)
     assert prompts == [list(p) for p in settings.known_answer_prompts] and n == settings.known_answer_max_tokens
-    assert e2e.prompts_for(e2e.Run(_model("t"), None, "none", 0), settings)[0] == list(settings.prompts)
+    assert runs.prompts_for(runs.Run(_model("t"), None, "none", 0), settings)[0] == list(settings.prompts)
 
 
 def test_plan_round_trips(tmp_path):
-    settings = e2e.Settings.parse(m.load())
-    config = e2e.Config("x", "eagle3", "v1", 3, {"fixture": 3.5}, _model("t"), _model("d"), {"a": 1}, {},
-                        {"target": _model("s", successor=True), "draft": _model("e"), "floor": 3.9,
+    settings = planning.Settings.parse(m.load())
+    config = planning.Config("x", "eagle3", "v1", 3, {"fixture": 3.5}, _model("t"), _model("d"), {"a": 1}, {},
+                        {"target": _model("s", answer_rule="previous-plus-two"), "draft": _model("e"), "floor": 3.9,
                          "exact_drafts": True, "note": "n"}, None, {"hub": 1.85})
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(e2e.plan_dict("fixture", settings, [config], (1, 0))))
-    mode, loaded_settings, configs = e2e.load_plan(path)
+    path.write_text(json.dumps(planning.plan_dict("fixture", settings, [config], (1, 0))))
+    mode, loaded_settings, configs = planning.load_plan(path)
     assert (mode, loaded_settings, configs) == ("fixture", settings, [config])
-    assert e2e.planned_ids(str(path)) == ["x"] and e2e.planned_ids(None) is None
+    assert planning.planned_ids(str(path)) == ["x"] and planning.planned_ids(None) is None
 
 
 # --------------------------------------------------------------------------- comparisons
 
 def test_acceptance_length_is_vllms():
-    assert e2e.acceptance_len(0, 0) == 1.0
-    assert e2e.acceptance_len(64, 192) == 4.0
+    assert compare.acceptance_len(0, 0) == 1.0
+    assert compare.acceptance_len(64, 192) == 4.0
 
 
 def test_token_mismatches_point_at_the_first_difference():
-    lines = e2e.token_mismatches([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]], ("a", "b"))
+    lines = compare.token_mismatches([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]], ("a", "b"))
     assert lines == ["request 1: first difference at output position 1: a [5], b [6] (lengths 2 vs 2)"]
-    assert e2e.token_mismatches([[1]], [[1], [2]]) == ["1 expected sequences vs 2 got"]
+    assert compare.token_mismatches([[1]], [[1], [2]]) == ["1 expected sequences vs 2 got"]
 
 
 def test_logprobs_close_in_vllms_sense():
     ref = [([1, 2], [{1: -0.1, 2: -2.0}, {2: -0.1, 3: -3.0}])]
-    assert e2e.logprobs_not_close(ref, ref) == []
+    assert compare.logprobs_not_close(ref, ref) == []
     swapped = [([1, 3], [{1: -0.1, 2: -2.0}, {3: -0.2, 2: -0.3}])]
-    assert e2e.logprobs_not_close(ref, swapped) == []   # diverged, but each token is in the other's top-k
+    assert compare.logprobs_not_close(ref, swapped) == []   # diverged, but each token is in the other's top-k
     far = [([1, 4], [{1: -0.1}, {4: -0.1, 5: -1.0}])]
-    assert e2e.logprobs_not_close(ref, far) == [
+    assert compare.logprobs_not_close(ref, far) == [
         "request 0 position 1: baseline token 2 (top-k [2, 3]), spec token 4 (top-k [4, 5])"]
-    assert e2e.max_logprob_gap(ref, swapped) == pytest.approx(0.0)
+    assert compare.max_logprob_gap(ref, swapped) == pytest.approx(0.0)
 
 
 def test_positions_name_the_rejected_position():
-    report = e2e.positions([3, 3, 2], [3, 1, 2], 3)
-    assert report.drafted == [3, 3, 2] and report.accepted == [3, 2, 1]
-    assert report.rejections == [(1, 1)]
-    negative_control = e2e.positions([3] * 4, [1] * 4, 3)   # drafts beyond position 0 wrong by design
+    found = compare.positions([3, 3, 2], [3, 1, 2], 3)
+    assert found.drafted == [3, 3, 2] and found.accepted == [3, 2, 1]
+    assert found.rejections == [(1, 1)]
+    negative_control = compare.positions([3] * 4, [1] * 4, 3)   # drafts beyond position 0 wrong by design
     assert negative_control.accepted == [4, 0, 0] and len(negative_control.rejections) == 4
 
 
+def test_known_answers_say_what_each_prompt_continues_with_and_each_step_accepts():
+    rule = knownanswer.CONTEXT_RULE
+    assert compare.expected_outputs(rule, [[5, 6, 7], [300, 200], [42], [510, 511]], 4, 512) == [
+        [8, 9, 10, 11], [302, 202, 304, 204], [44, 44, 46, 46], [0, 1, 2, 3]]
+    assert knownanswer.successor_drafts_exact([5, 6, 7], 64, 512)
+    assert not knownanswer.successor_drafts_exact([42], 64, 512)
+    assert not knownanswer.successor_drafts_exact([300, 200], 64, 512)
+    assert compare.expected_accepts(True, 1, [3, 3, 2]) == [3, 3, 2]
+    assert compare.expected_accepts(False, 1, [3, 3, 1, 0]) == [1, 1, 1, 0]
+
+
+def test_every_known_answer_prompt_set_exercises_both_kinds():
+    """Exact drafts somewhere (per-position acceptance) and wrong drafts elsewhere (rejection,
+    KV rollback), with room for the drafts inside the context kernel's exact range."""
+    settings = planning.Settings.parse(m.load())
+    multi = [p for p in settings.known_answer_prompts if len(p) > 1]
+    exact = [knownanswer.successor_drafts_exact(p, settings.known_answer_max_tokens, 512) for p in multi]
+    assert any(exact) and not all(exact)
+    longest = max(len(p) for p in settings.known_answer_prompts) + settings.known_answer_max_tokens + 8
+    assert longest <= min(settings.max_model_len, knownanswer.MAX_DISTANCE)
+
+
 def test_first_step_fully_rejected():
-    assert e2e.first_step_fully_rejected([3, 3], [0, 3])
-    assert not e2e.first_step_fully_rejected([3, 3], [3, 0])
-    assert not e2e.first_step_fully_rejected([], [])
+    assert compare.first_step_fully_rejected([3, 3], [0, 3])
+    assert not compare.first_step_fully_rejected([3, 3], [3, 0])
+    assert not compare.first_step_fully_rejected([], [])
 
 
 # --------------------------------------------------------------------------- summary and exit codes
@@ -193,11 +228,11 @@ def _result(nodeid: str, outcome: str, message: str = "", time_s: float = 1.0) -
 
 
 def test_merge_fills_rows_from_records(tmp_path):
-    recorder = e2e.Recorder(tmp_path / "records.jsonl")
+    recorder = report.Recorder(tmp_path / "records.jsonl")
     recorder.write("test", test="t.py::a", method="ngram", drafts=3, acceptance_len=2.0)
     recorder.write("engine", key="k", init_s=12.5, compilation={"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"})
     recorder.write("test", test="t.py::d", method="mtp", expected_failure="TypeError: known")
-    rows = e2e.merge_results([_result("t.py::a", "passed", time_s=3.216),
+    rows = report.merge_results([_result("t.py::a", "passed", time_s=3.216),
                               _result("t.py::b", "skipped", "Model Runner V2 requires Triton; using the V1 model "
                                                             "runner instead (the Triton CPU backend is missing)"),
                               _result("t.py::c", "error", "boom"), _result("t.py::d", "skipped", "known")],
@@ -207,18 +242,18 @@ def test_merge_fills_rows_from_records(tmp_path):
     assert rows[0]["drafts"] == 3 and rows[0]["time_s"] == 3.22 and rows[0]["reason"] is None
     assert rows[1]["reason"].startswith("Model Runner V2 requires Triton") and rows[1]["method"] is None
     assert rows[2]["reason"] == "boom"
-    assert set(e2e.MEASURED_FIELDS) <= set(rows[1])
+    assert set(report.MEASURED_FIELDS) <= set(rows[1])
     for row in rows:
         assert_valid_test_entry(row)
-    engines = e2e.engine_rows(recorder.read())
-    assert e2e.compile_backend(engines) == "inductor"
-    assert "1 engine starts: 12.5 s in all" in e2e.format_report(rows, engines)
+    engines = report.engine_rows(recorder.read())
+    assert report.compile_backend(engines) == "inductor"
+    assert "1 engine starts: 12.5 s in all" in report.format_report(rows, engines)
 
 
 def test_compile_backend_reports_a_mix():
     engines = [{"compilation": {"mode": "X", "backend": b}} for b in ("inductor", "eager")]
-    assert e2e.compile_backend(engines) == "mixed: eager, inductor"
-    assert e2e.compile_backend([]) is None
+    assert report.compile_backend(engines) == "mixed: eager, inductor"
+    assert report.compile_backend([]) is None
 
 
 @pytest.mark.parametrize("code,outcomes,want", [
@@ -230,7 +265,7 @@ def test_compile_backend_reports_a_mix():
     (0, ["error"], 1),
 ])
 def test_session_exit_code(code, outcomes, want):
-    assert e2e.session_exit_code(code, [{"outcome": o} for o in outcomes]) == want
+    assert report.session_exit_code(code, [{"outcome": o} for o in outcomes]) == want
 
 
 def test_engine_errors_travel_with_their_type_and_traceback():

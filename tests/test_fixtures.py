@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specgate import fixtures
+from specgate import fixtures, knownanswer
 from specgate.fixtures import EOS_ID, MASK_ID, VOCAB
 from specgate.manifest import REPO_ROOT, Fixture, load
 
@@ -93,12 +93,16 @@ def test_hash_follows_kind_params_and_source(tmp_path, monkeypatch):
     base = Fixture("x", "qwen3-random", {})
     assert fixtures.fixture_hash(base) == fixtures.fixture_hash(Fixture("y", "qwen3-random", {"seed": 0}))
     assert fixtures.fixture_hash(base) != fixtures.fixture_hash(Fixture("x", "qwen3-random", {"seed": 1}))
-    assert fixtures.fixture_hash(base) != fixtures.fixture_hash(Fixture("x", "qwen3-successor", {}))
-    edited = tmp_path / "fixtures.py"
-    edited.write_text(fixtures.SOURCE.read_text() + "\n# edited\n")
+    assert fixtures.fixture_hash(base) != fixtures.fixture_hash(Fixture("x", "qwen3-context", {}))
     before = fixtures.fixture_hash(base)
-    monkeypatch.setattr(fixtures, "SOURCE", edited)
-    assert fixtures.fixture_hash(base) != before
+    for index, source in enumerate(fixtures.SOURCES):     # the builders and the known-answer kernel
+        edited = tmp_path / source.name
+        edited.write_text(source.read_text() + "\n# edited\n")
+        sources = list(fixtures.SOURCES)
+        sources[index] = edited
+        monkeypatch.setattr(fixtures, "SOURCES", tuple(sources))
+        assert fixtures.fixture_hash(base) != before, source.name
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("fixture, message", [
@@ -128,7 +132,7 @@ def test_cli_rejects_an_unknown_name_with_exit_2(command, tmp_path):
 CHILD = """
 import os, sys, time
 from pathlib import Path
-from specgate import fixtures
+from specgate import fixtures, knownanswer
 from specgate.manifest import load
 kind, log, start, hold = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
 real = fixtures.FIXTURE_KINDS[kind]
@@ -184,17 +188,15 @@ def test_sigkilled_build_leaves_no_fixture_and_the_next_ensure_recovers(tmp_path
     assert not list(final.parent.glob(f".{final.name}.tmp*")), "ensure() cleared it under the lock"
 
 
-def test_describe_reports_facts_and_the_expected_continuation(built, use_cache):
+def test_describe_reports_facts_and_the_known_answer_rule(built, use_cache):
     manifest = load()
     for name, path in built.items():
         info = fixtures.describe(manifest, name)
         assert info["path"] == path and info["name"] == name
         assert info["hash"] == path.name.rsplit("-", 1)[1] == fixtures.fixture_hash(manifest.fixtures[name])
         assert info["kind"] == manifest.fixtures[name].kind and info["vocab_size"] == VOCAB
-        assert ("expected_successor" in info) == (info["successor"] and info["role"] == "target")
-    succ = fixtures.describe(manifest, "successor-qwen3")["expected_successor"]
-    assert succ([5, 6, 7], 3, VOCAB) == [8, 9, 10]
-    assert succ([509, 510], 4, VOCAB) == [511, 0, 1, 2]
+        if info["role"] == "target":
+            assert info["known_answer"] == (knownanswer.CONTEXT_RULE if info["kind"].endswith("-context") else None)
     dflash = fixtures.describe(manifest, "dflash-successor")
     assert dflash["mask_token_id"] == MASK_ID and dflash["aux_layer_ids"] == [1, 2]
     assert dflash["max_speculative_tokens"] == 5
@@ -219,13 +221,16 @@ def test_tokenizer_covers_every_id_and_round_trips_text(built):
 
 
 def test_target_configs(built):
-    for kind, arch in [("qwen3-random", "Qwen3ForCausalLM"), ("qwen3-successor", "Qwen3ForCausalLM"),
-                       ("mimo-mtp-random", "MiMoForCausalLM"), ("mimo-mtp-successor", "MiMoForCausalLM"),
+    for kind, arch in [("qwen3-random", "Qwen3ForCausalLM"), ("qwen3-context", "Qwen3ForCausalLM"),
+                       ("mimo-mtp-random", "MiMoForCausalLM"), ("mimo-mtp-context", "MiMoForCausalLM"),
                        ("qwen35-mtp-random", "Qwen3_5ForCausalLM")]:
         config = _config(_by_kind(built, kind))
         assert config["architectures"] == [arch], kind
-        assert config["vocab_size"] == VOCAB and config["hidden_size"] == 512
-        assert config["head_dim"] == 64 or config["hidden_size"] // config["num_attention_heads"] == 64
+        assert config["vocab_size"] == VOCAB
+        assert config["hidden_size"] == (fixtures.MIMO_CONTEXT_HIDDEN if kind == "mimo-mtp-context" else 512)
+        # vLLM's Qwen2 (MiMo) derives head_dim from hidden_size / heads and ignores config.head_dim.
+        assert config["hidden_size"] // config["num_attention_heads"] == 64 or arch != "MiMoForCausalLM"
+        assert config["head_dim"] == 64
         assert config["max_position_embeddings"] == 2048 and config["tie_word_embeddings"] is False
         assert config["dtype"] == "bfloat16" and config["eos_token_id"] == EOS_ID
     assert _config(_by_kind(built, "mimo-mtp-random"))["num_nextn_predict_layers"] == 1
@@ -235,7 +240,7 @@ def test_target_configs(built):
 
 
 def test_mtp_weights_sit_next_to_the_body(built):
-    for kind in ("mimo-mtp-random", "mimo-mtp-successor"):
+    for kind in ("mimo-mtp-random", "mimo-mtp-context"):
         names = set(_tensors(_by_kind(built, kind)))
         mtp = {n.removeprefix("model.mtp_layers.0.") for n in names if n.startswith("model.mtp_layers.0.")}
         assert {"token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
@@ -284,18 +289,90 @@ def test_draft_configs_and_shapes(built):
 # Known answers, on the built bf16 weights
 # ---------------------------------------------------------------------------
 
-def test_successor_targets_predict_the_next_token_in_transformers(built):
+CONTEXT_PROMPTS = [[5, 6, 7], [42], [300, 200], [509, 510], list(range(100, 160)) + [100, 101],
+                   [7, 300, 9, 301, 7, 300, 9]]
+CONTEXT_LENGTH = 512      # positions checked per prompt (the e2e prompts reach about 140)
+
+
+def _context_model(built: dict[str, Path], kind: str):
     from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
 
-    prompt = [5, 6, 7, 300, 511]
-    for kind, cls in [("qwen3-successor", Qwen3ForCausalLM), ("mimo-mtp-successor", Qwen2ForCausalLM)]:
-        model = cls.from_pretrained(str(_by_kind(built, kind)), dtype=torch.bfloat16)
-        logits = model(torch.tensor([prompt])).logits[0].float()
-        assert logits.argmax(-1).tolist() == [(t + 1) % VOCAB for t in prompt], kind
+    cls = {"qwen3-context": Qwen3ForCausalLM, "mimo-mtp-context": Qwen2ForCausalLM}[kind]
+    return cls.from_pretrained(str(_by_kind(built, kind)), dtype=torch.bfloat16, attn_implementation="eager")
+
+
+def _answers(model, seq: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits at every position of `seq` (bf16 weights), under a boolean [L, L] mask of the keys
+    each query may see (default: causal)."""
+    ids = torch.tensor([seq])
+    if mask is None:
+        return model(ids).logits[0].float()
+    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(~mask, torch.finfo(torch.bfloat16).min)
+    return model(ids, attention_mask=additive[None, None]).logits[0].float()
+
+
+@pytest.mark.parametrize("kind", ["qwen3-context", "mimo-mtp-context"])
+def test_context_targets_follow_their_rule_exactly_in_bf16(built, kind):
+    """Long sequences: at every position the analytic answer x[t-1] + 2 wins by sqrt(512) logits."""
+    model = _context_model(built, kind)
+    for prompt in CONTEXT_PROMPTS:
+        seq = prompt + knownanswer.continuation(knownanswer.CONTEXT_RULE, prompt, CONTEXT_LENGTH - len(prompt), VOCAB)
+        logits = _answers(model, seq)[:-1]
+        assert logits.argmax(-1).tolist() == [(seq[max(t - 1, 0)] + 2) % VOCAB for t in range(len(seq) - 1)]
         top2 = logits.topk(2).values
-        assert (top2[:, 0] - top2[:, 1] > 20).all(), "the answer wins by sqrt(512) logits"
-        out = model.generate(torch.tensor([[509, 510]]), max_new_tokens=8, do_sample=False)
-        assert out[0, 2:].tolist() == fixtures.expected_successor([509, 510], 8, VOCAB)
+        assert (top2[:, 0] - top2[:, 1]).min() > 20, "the answer wins by sqrt(512) = 22.6 logits"
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+        assert out.tolist() == seq[len(prompt):len(prompt) + 16]
+
+
+def _block_masks(length: int, block: int) -> dict[str, torch.Tensor]:
+    """Attention faults of a verification step, applied to every block of `block` queries."""
+    causal = torch.ones(length, length).tril().bool()
+    pos = torch.arange(length)
+    same_block = (pos[:, None] // block) == (pos[None, :] // block)
+    return {
+        "non-causal inside the block": causal | same_block,
+        "previous key missing inside the block": causal & ~(same_block & (pos[:, None] - pos[None, :] == 1)),
+        "own key missing inside the block": causal & ~(same_block & (pos[:, None] == pos[None, :])
+                                                       & (pos[:, None] % block != 0)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["qwen3-context", "mimo-mtp-context"])
+def test_breaking_attention_changes_the_context_targets_answer(built, kind):
+    """A fault confined to blocks of 4 queries (a k = 3 verification step) changes the answer
+    at most positions of every prompt, a successor chain included; the causal run does not."""
+    model = _context_model(built, kind)
+    for prompt in CONTEXT_PROMPTS:
+        seq = prompt + knownanswer.continuation(knownanswer.CONTEXT_RULE, prompt, 128 - len(prompt), VOCAB)
+        right = _answers(model, seq).argmax(-1)
+        assert right[:-1].tolist() == [(seq[max(t - 1, 0)] + 2) % VOCAB for t in range(len(seq) - 1)]
+        for fault, mask in _block_masks(len(seq), 4).items():
+            changed = (_answers(model, seq, mask).argmax(-1) != right).float().mean().item()
+            assert changed > 0.2, f"{kind}, prompt {prompt[:4]}: {fault} changed only {changed:.0%} of the answers"
+
+
+def test_context_kernel_margins_hold_on_the_built_weights(built):
+    """The scores the built bf16 q/k weights give, through RoPE, are the documented kernel: the
+    previous-token head's best key is d = 1, the self head's best causal key is d = 0 and its
+    best key overall d = -1, each by the documented margin (in softmax logits)."""
+    w = _tensors(_by_kind(built, "qwen3-context"))
+    attn = "model.layers.0.self_attn."
+    x = math.sqrt(VOCAB) * torch.eye(VOCAB, dtype=torch.bfloat16)[7:8]            # any token: content-free
+    q = _rms((x @ w[f"{attn}q_proj.weight"].T).unflatten(-1, (16, 64)), w[f"{attn}q_norm.weight"])[0]
+    k = _rms((x @ w[f"{attn}k_proj.weight"].T).unflatten(-1, (8, 64)), w[f"{attn}k_norm.weight"])[0]
+    distances = torch.arange(-1, 1025)
+    base = 1200                                                              # query position
+    qr = _neox_rope(q[None].expand(len(distances), -1, -1), torch.full((len(distances),), base),
+                    knownanswer.ROPE_THETA)
+    kr = _neox_rope(k[None].expand(len(distances), -1, -1), base - distances, knownanswer.ROPE_THETA)
+    scores = torch.einsum("dhx,dhx->hd", qr.float(), kr.repeat_interleave(2, dim=1).float()) / 8.0
+    prev, own = scores[0], scores[1]
+    margin = fixtures.CONTEXT_SCORE_MARGIN
+    at = {int(d): i for i, d in enumerate(distances)}
+    assert prev[at[1]] - torch.cat([prev[:at[1]], prev[at[1] + 1:]]).max() > 0.9 * margin
+    assert own[at[0]] - own[at[1]:].max() > 0.9 * margin and own[at[-1]] - own[at[0]] > 0.9 * margin
+    assert min(knownanswer.margins()) > 0.2 and all(s.isfinite().all() for s in (prev, own))
 
 
 @pytest.mark.parametrize("kind", ["qwen3-random", "mimo-mtp-random", "qwen35-mtp-random"])
@@ -328,8 +405,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_eagle3_successor_moves_one_token_per_step(built):
     """vLLM's EAGLE-3 layer (norm_before_residual, attention output zero) on every token."""
     w = _tensors(_by_kind(built, "eagle3-successor"))
-    target_lm_head = _tensors(_by_kind(built, "qwen3-successor"))["lm_head.weight"]
-    assert torch.equal(w["lm_head.weight"], target_lm_head)
     tokens = torch.arange(VOCAB)
     onehot = torch.eye(VOCAB, dtype=torch.bfloat16)
     hidden = torch.cat([onehot] * 3, dim=1) @ w["fc.weight"].T            # aux states are e(t)
@@ -343,20 +418,24 @@ def test_eagle3_successor_moves_one_token_per_step(built):
         assert torch.equal(logits.argmax(-1), (tokens + step + 1) % VOCAB), f"draft step {step}"
 
 
-def test_mimo_mtp_successor_layer_proposes_the_successor(built):
-    w = _tensors(_by_kind(built, "mimo-mtp-successor"))
+def test_mimo_mtp_context_layer_proposes_the_successor(built):
+    """At position i the MTP layer gets embed(t_{i+1}) and the target's hidden state there,
+    e(t_{i+1}) (the context rule); it proposes t_{i+1} + 1 through the identity lm_head, with
+    or without the embedding (MiMo zeroes it at position 0), and not from a shifted state."""
+    w = _tensors(_by_kind(built, "mimo-mtp-context"))
     mtp = "model.mtp_layers.0."
     tokens = torch.arange(VOCAB)
-    embeds = torch.eye(VOCAB, dtype=torch.bfloat16)[(tokens + 1) % VOCAB]   # embed(t_{i+1})
-    hidden = math.sqrt(VOCAB) * torch.eye(VOCAB, dtype=torch.bfloat16)    # target output for t_i
-    for position_zero in (False, True):
+    embeds = w["model.embed_tokens.weight"][(tokens + 1) % VOCAB]          # embed(t_{i+1})
+    hidden = embeds / fixtures.CONTEXT_EMBED                                # target state at i: e(t_{i+1})
+    for position_zero, state in ((False, hidden), (True, hidden), (False, hidden.roll(1, 0))):
         e = torch.zeros_like(embeds) if position_zero else embeds
-        x = torch.cat([_rms(hidden, w[f"{mtp}hidden_layernorm.weight"]),
+        x = torch.cat([_rms(state, w[f"{mtp}hidden_layernorm.weight"]),
                        _rms(e, w[f"{mtp}token_layernorm.weight"])], 1)
         h = x @ w[f"{mtp}input_proj.weight"].T          # the MTP block adds zero (o_proj, down_proj = 0)
         assert not w[f"{mtp}self_attn.o_proj.weight"].any() and not w[f"{mtp}mlp.down_proj.weight"].any()
         logits = _rms(h, w[f"{mtp}final_layernorm.weight"]) @ w["lm_head.weight"].T
-        assert torch.equal(logits.argmax(-1), (tokens + 2) % VOCAB)
+        right = torch.equal(logits.argmax(-1), (tokens + 2) % VOCAB)
+        assert right == (state is hidden), "the hidden half decides: a shifted hidden state shows in the draft"
 
 
 def _neox_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -375,11 +454,12 @@ def test_dflash_successor_slot_j_drafts_bonus_plus_j(built, k, start):
     [x, mask * k] at positions start..start+k attends to itself and to `start` context
     positions whose keys and values are zero (fc = 0)."""
     w = _tensors(_by_kind(built, "dflash-successor"))
-    target_lm_head = _tensors(_by_kind(built, "qwen3-successor"))["lm_head.weight"]
+    target = _tensors(_by_kind(built, "qwen3-context"))     # DFlash shares its embedding and lm_head
+    target_lm_head = target["lm_head.weight"]
     config = _config(_by_kind(built, "dflash-successor"))
     heads, kv_heads, layer = config["num_attention_heads"], config["num_key_value_heads"], "layers.0.self_attn."
     ids = torch.cat([torch.arange(VOCAB)[:, None], torch.full((VOCAB, k), MASK_ID)], dim=1)   # [x, mask...]
-    residual = torch.eye(VOCAB, dtype=torch.bfloat16)[ids]                                   # [V, k+1, H]
+    residual = target["model.embed_tokens.weight"][ids]                                     # [V, k+1, H]
     x = _rms(residual, w["layers.0.input_layernorm.weight"])
     q = (x @ w[f"{layer}q_proj.weight"].T).unflatten(-1, (heads, 64))
     kk = (x @ w[f"{layer}k_proj.weight"].T).unflatten(-1, (kv_heads, 64))

@@ -1,7 +1,7 @@
 """Engine tests of `nox -s cpu_e2e`: the plan, one engine at a time, and what the tests record.
 
 Engine starts dominate the session's time, so every engine (a target, a speculative
-configuration and the prompt set its target calls for, see specgate.e2e.Run) starts
+configuration and the prompt set its target calls for, see specgate.e2e.runs.Run) starts
 once per session, in a process of its own that exits (freeing everything) before the
 next one starts: it generates every prompt of its set and its measurements are kept.
 Tests that need the same engine share its results.
@@ -19,17 +19,18 @@ from typing import Any
 
 import pytest
 
-from specgate import cli, e2e, engine, pytestrun
+from specgate import cli, engine, pytestrun
+from specgate.e2e import compare, planning, report, runs
 from specgate.manifest import load
 
 MANIFEST = load()
-PLANNED = e2e.planned_ids(os.environ.get(e2e.PLAN_VAR))
+PLANNED = planning.planned_ids(os.environ.get(planning.PLAN_VAR))
 CONFIGS = [c for c in MANIFEST.e2e if PLANNED is None or c.id in PLANNED]
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "configs(test): parametrize `config_id` with the configs "
-                                       "specgate.e2e.SELECTORS[test] picks")
+                                       "specgate.e2e.runs.SELECTORS[test] picks")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -38,9 +39,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     kind = marker.args[0]
     if kind == "known_answer_baseline":
-        metafunc.parametrize("target_fixture", e2e.known_answer_targets(CONFIGS))
+        metafunc.parametrize("target_fixture", runs.known_answer_targets(CONFIGS))
     else:
-        metafunc.parametrize("config_id", e2e.select(CONFIGS, kind))
+        metafunc.parametrize("config_id", runs.select(CONFIGS, kind))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -55,30 +56,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @dataclass
 class Plan:
     mode: str
-    settings: e2e.Settings
-    configs: dict[str, e2e.Config]
+    settings: planning.Settings
+    configs: dict[str, planning.Config]
 
 
 @pytest.fixture(scope="session")
 def plan() -> Plan:
-    path = os.environ.get(e2e.PLAN_VAR)
+    path = os.environ.get(planning.PLAN_VAR)
     if path:
-        mode, settings, configs = e2e.load_plan(path)
+        mode, settings, configs = planning.load_plan(path)
     else:  # pytest run by hand: resolve here, under $SPECGATE_MODEL_SOURCE (default auto)
         mode = cli.resolve_model_source(None)
-        settings = e2e.Settings.parse(MANIFEST)
-        configs = [e2e.resolve_config(MANIFEST, c, mode) for c in CONFIGS]
+        settings = planning.Settings.parse(MANIFEST)
+        configs = [planning.resolve_config(MANIFEST, c, mode) for c in CONFIGS]
     return Plan(mode, settings, {c.id: c for c in configs})
 
 
 @pytest.fixture(scope="session")
-def recorder(tmp_path_factory: pytest.TempPathFactory) -> e2e.Recorder:
-    path = os.environ.get(e2e.RECORDS_VAR) or tmp_path_factory.mktemp("e2e") / "records.jsonl"
-    return e2e.Recorder(path)
+def recorder(tmp_path_factory: pytest.TempPathFactory) -> report.Recorder:
+    path = os.environ.get(report.RECORDS_VAR) or tmp_path_factory.mktemp("e2e") / "records.jsonl"
+    return report.Recorder(path)
 
 
 @pytest.fixture
-def row(request: pytest.FixtureRequest, recorder: e2e.Recorder) -> dict[str, Any]:
+def row(request: pytest.FixtureRequest, recorder: report.Recorder) -> dict[str, Any]:
     """The test's summary row: the test fills it in, it is recorded whatever the outcome."""
     data: dict[str, Any] = {"test": request.node.nodeid}
     yield data
@@ -88,7 +89,7 @@ def row(request: pytest.FixtureRequest, recorder: e2e.Recorder) -> dict[str, Any
 @dataclass
 class Result:
     """What one engine produced, kept for every test that needs it."""
-    run: e2e.Run
+    run: runs.Run
     prompts: list[Any]
     max_tokens: int
     data: dict[str, Any]
@@ -103,7 +104,7 @@ class Result:
 
     @property
     def pairs(self) -> list[tuple[list[int], list[dict[int, float]]]]:
-        return list(zip(self.token_ids, self.logprobs))
+        return list(zip(self.token_ids, self.logprobs, strict=True))
 
     @property
     def request_metrics(self) -> list[dict[str, Any] | None]:
@@ -124,23 +125,23 @@ class Result:
     def acceptance(self) -> dict[str, Any]:
         c = self.counters
         return {"drafts": c["drafts"], "drafted_tokens": c["drafted_tokens"], "accepted_tokens": c["accepted_tokens"],
-                "acceptance_len": round(e2e.acceptance_len(c["drafts"], c["accepted_tokens"]), 4)}
+                "acceptance_len": round(compare.acceptance_len(c["drafts"], c["accepted_tokens"]), 4)}
 
 
 class Engines:
     """Runs every engine the selected tests need once, one at a time: when a test first
     needs an engine, every pending engine runs, in as few processes as possible
-    (specgate.engine.run_engines), in specgate.e2e.process_order."""
+    (specgate.engine.run_engines), in specgate.e2e.runs.process_order."""
 
-    def __init__(self, settings: e2e.Settings, recorder: e2e.Recorder, workdir: Path,
-                 pending: list[e2e.Run], expected_to_fail: set[str]) -> None:
+    def __init__(self, settings: planning.Settings, recorder: report.Recorder, workdir: Path,
+                 pending: list[runs.Run], expected_to_fail: set[str]) -> None:
         self.settings, self.recorder, self.workdir = settings, recorder, workdir
         self.pending, self.expected_to_fail = pending, expected_to_fail
         self.results: dict[str, Result | BaseException] = {}
 
-    def result(self, run: e2e.Run) -> Result:
+    def result(self, run: runs.Run) -> Result:
         if run.key not in self.results:
-            group = e2e.process_order([*self.pending, run], self.expected_to_fail)
+            group = runs.process_order([*self.pending, run], self.expected_to_fail)
             self.pending = []
             self._generate(group)
         outcome = self.results[run.key]
@@ -148,12 +149,12 @@ class Engines:
             raise outcome  # every test that needs this engine reports its error
         return outcome
 
-    def _generate(self, group: list[e2e.Run]) -> None:
+    def _generate(self, group: list[runs.Run]) -> None:
         requests, inputs = [], {}
         for run in group:
-            prompts, max_tokens = e2e.prompts_for(run, self.settings)
+            prompts, max_tokens = runs.prompts_for(run, self.settings)
             inputs[run.key] = (prompts, max_tokens)
-            requests.append({"key": run.key, "llm": e2e.llm_kwargs(run, self.settings), "prompts": prompts,
+            requests.append({"key": run.key, "llm": runs.llm_kwargs(run, self.settings), "prompts": prompts,
                              "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
                                           "logprobs": self.settings.num_logprobs}})
         env = pytestrun.child_env(self.settings.child_env())
@@ -162,18 +163,20 @@ class Engines:
         for run in group:
             data = done[run.key]
             error = engine.relay(data["error"]) if data["error"] else None
-            self.recorder.write("engine", key=run.key, **e2e.run_identity(run), runner=data.get("runner"),
+            self.recorder.write("engine", key=run.key, **report.run_identity(run), runner=data.get("runner"),
                                 compilation=data.get("compilation"), compile_counters=data.get("compile_counters"),
                                 counters=data.get("counters"),
                                 error=f"{type(error).__name__}: {error}".splitlines()[0] if error else None,
-                                **{k: data.get(k) for k in ("process", "import_s", "init_s", "generate_s", "shutdown_s")})
+                                **{k: data.get(k)
+                                   for k in ("process", "import_s", "init_s", "generate_s", "shutdown_s")},
+                                **{k: data[k] for k in ("mutant_fired",) if k in data})   # only under nox -s mutants
             self.results[run.key] = error if error is not None else Result(run, *inputs[run.key], data)
 
 
-def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[e2e.Run], set[str]]:
+def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[runs.Run], set[str]]:
     """The engines the selected tests will read, without those a test skips before
     reading (V2 blocked, environment blocked); and the keys expected to fail."""
-    runs, expected_to_fail = [], set()
+    needed, expected_to_fail = [], set()
     v2_blocked = engine.v2_runner_blocker()
     for item in items:
         marker = item.get_closest_marker("configs")
@@ -181,23 +184,23 @@ def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[e2e.Run], s
             continue
         test, params = marker.args[0], item.callspec.params
         if test == "known_answer_baseline":
-            runs.append(e2e.known_answer_baseline_run(plan.configs.values(), params["target_fixture"]))
+            needed.append(runs.known_answer_baseline_run(plan.configs.values(), params["target_fixture"]))
             continue
         if test == "v2_smoke" and v2_blocked:
             continue
-        found = e2e.runs_for(test, plan.configs[params["config_id"]])
-        runs += found
+        found = runs.runs_for(test, plan.configs[params["config_id"]])
+        needed += found
         if test == "known_defect":
             expected_to_fail |= {r.key for r in found}
     blocked: dict[str, bool] = {}
-    for run in runs:
+    for run in needed:
         if run.key not in blocked:
-            blocked[run.key] = e2e.environment_block(run) is not None
-    return [r for r in runs if not blocked[r.key]], expected_to_fail
+            blocked[run.key] = runs.environment_block(run) is not None
+    return [r for r in needed if not blocked[r.key]], expected_to_fail
 
 
 @pytest.fixture(scope="session")
-def engines(request: pytest.FixtureRequest, plan: Plan, recorder: e2e.Recorder,
+def engines(request: pytest.FixtureRequest, plan: Plan, recorder: report.Recorder,
             tmp_path_factory: pytest.TempPathFactory) -> Engines:
     pending, expected_to_fail = _needed_runs(request.session.items, plan)
     return Engines(plan.settings, recorder, tmp_path_factory.mktemp("engines"), pending, expected_to_fail)

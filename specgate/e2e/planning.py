@@ -1,0 +1,247 @@
+"""The plan: the [e2e] settings and every [[e2e.configs]] entry with its checkpoints resolved
+under the model-source mode, written to plan.json by the session and read back by the tests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specgate.manifest import E2EConfig, Manifest, ManifestError, _Reader
+
+PLAN_VAR = "SPECGATE_E2E_PLAN"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """[e2e] plain keys: engine bounds and the prompts every engine of a kind generates."""
+    dtype: str
+    compile_backend: str           # the backend every engine must compile with (no enforce_eager)
+    max_model_len: int
+    max_num_seqs: int
+    max_tokens: int
+    num_logprobs: int
+    in_process_engine: bool
+    engine_timeout_s: int
+    prompts: tuple[str, ...]
+    known_answer_prompts: tuple[tuple[int, ...], ...]
+    known_answer_max_tokens: int
+
+    @classmethod
+    def parse(cls, manifest: Manifest) -> Settings:
+        r = _Reader(manifest.path, dict(manifest.e2e_settings), "e2e.")
+
+        def positive(key: str) -> int:
+            value = r.get(key, int, "a positive integer")
+            if value <= 0:
+                raise r.fail(key, "a positive integer", value)
+            return value
+
+        known = r.get("known_answer_prompts", list, "a list of token-id lists")
+        if not known or not all(isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p)
+                                for p in known):
+            raise r.fail("known_answer_prompts", "a non-empty list of non-empty token-id lists", known)
+        prompts = r.str_list("prompts")
+        if not prompts:
+            raise r.fail("prompts", "a non-empty list of strings", [])
+        return cls(
+            dtype=r.str("dtype"),
+            compile_backend=r.str("compile_backend"),
+            max_model_len=positive("max_model_len"),
+            max_num_seqs=positive("max_num_seqs"),
+            max_tokens=positive("max_tokens"),
+            num_logprobs=positive("num_logprobs"),
+            in_process_engine=r.get("in_process_engine", bool, "true or false"),
+            engine_timeout_s=positive("engine_timeout_s"),
+            prompts=prompts,
+            known_answer_prompts=tuple(tuple(p) for p in known),
+            known_answer_max_tokens=positive("known_answer_max_tokens"),
+        )
+
+    def child_env(self) -> dict[str, str | None]:
+        """What the engine settings add to an engine process's environment."""
+        # Frontend, engine core and worker in the engine process: no further spawns
+        # (each a fresh vLLM import) per engine start; the compiled graphs are the same.
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.in_process_engine else None}
+
+
+@dataclass(frozen=True)
+class Model:
+    """One checkpoint as this run loads it."""
+    name: str              # hub repo id, or the fixture name for a fixture used directly
+    source: str            # hub | fixture
+    path: str | None       # the folder to load (None: missing)
+    revision: str          # the hub commit, or the fixture's content hash
+    fixture: str | None    # the fixture that stands in (or is used)
+    status: str
+    reason: str
+    answer_rule: str | None  # a known-answer target's specgate.knownanswer rule
+    vocab_size: int | None
+    architecture: str | None
+
+    @property
+    def ident(self) -> str:
+        """What is loaded: the fixture and its hash, or the hub id and its commit."""
+        return f"{self.fixture if self.source == 'fixture' else self.name}@{self.revision[:10]}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One [[e2e.configs]] entry with its checkpoints resolved."""
+    id: str
+    method: str
+    runner: str
+    k: int
+    floors: dict[str, float]
+    target: Model
+    draft: Model | None
+    speculative: dict[str, Any]        # extra speculative_config keys (e.g. prompt_lookup_min)
+    engine: dict[str, Any]             # extra LLM(...) keys (e.g. enable_prefix_caching)
+    known_answer: dict[str, Any] | None  # {"target": Model, "draft": Model|None, "floor", "exact_drafts"}
+    known_defect: dict[str, Any] | None  # {"raises", "symptom", "reason"}
+    measured: dict[str, Any]
+
+    @property
+    def model_source(self) -> str:
+        return "fixture" if "fixture" in (self.target.source, self.draft.source if self.draft else None) else "hub"
+
+    @property
+    def threshold(self) -> float | None:
+        return self.floors.get(self.model_source)
+
+
+def _folder_facts(path: str | None) -> tuple[int | None, str | None]:
+    """(vocab_size, architecture) from a checkpoint folder's config.json."""
+    config = Path(path or "") / "config.json"
+    if not path or not config.is_file():
+        return None, None
+    data = json.loads(config.read_text(encoding="utf-8"))
+    text = data.get("text_config") or {}
+    return data.get("vocab_size") or text.get("vocab_size"), (data.get("architectures") or [None])[0]
+
+
+def resolved_model(manifest: Manifest, repo_id: str, mode: str) -> Model:
+    from specgate import fixtures, sources
+
+    src = sources.resolve(manifest, repo_id, mode)
+    vocab, arch = _folder_facts(src.path)
+    if src.source == "fixture":
+        facts = fixtures.describe(manifest, src.fixture)
+        return Model(repo_id, "fixture", src.path, facts["hash"], src.fixture, src.status, src.reason,
+                     facts.get("known_answer"), vocab, arch)
+    return Model(repo_id, "hub", src.path, src.revision, src.fixture, src.status, src.reason, None, vocab, arch)
+
+
+def fixture_model(manifest: Manifest, name: str) -> Model:
+    """A fixture used directly (the known-answer pairs), in every model-source mode."""
+    from specgate import fixtures
+
+    path = str(fixtures.ensure(manifest, name))
+    facts = fixtures.describe(manifest, name)
+    vocab, arch = _folder_facts(path)
+    return Model(name, "fixture", path, facts["hash"], name, "fixture", "known-answer fixture",
+                 facts.get("known_answer"), vocab, arch)
+
+
+def _known_answer(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
+    raw = config.raw.get("known_answer")
+    if raw is None:
+        return None
+    r = _Reader(manifest.path, raw, f"e2e.configs[{config.id}].known_answer.")
+    target = r.str("target")
+    draft = r.str("draft", default=None)
+    for key, name in (("target", target), ("draft", draft)):
+        if name is not None and name not in manifest.fixtures:
+            raise r.fail(key, "a fixture declared under [fixtures]", name)
+    floor = r.get("floor", (int, float), "a number >= 1.0", None)
+    if floor is not None and floor < 1.0:
+        raise r.fail("floor", "a number >= 1.0", floor)
+    exact = r.get("exact_drafts", bool, "true or false", False)
+    # Where the answer is not a successor chain, the successor drafts' first wrong position.
+    wrong_at = r.get("wrong_at", int, "a draft position (0 .. num_speculative_tokens - 1)", None)
+    if exact and (wrong_at is None or not 0 <= wrong_at < config.num_speculative_tokens):
+        raise r.fail("wrong_at", "a draft position (0 .. num_speculative_tokens - 1) with exact_drafts", wrong_at)
+    return {"target": target, "draft": draft, "floor": floor, "exact_drafts": exact, "wrong_at": wrong_at,
+            "note": r.str("note", default=None)}
+
+
+def _known_defect(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
+    raw = config.raw.get("known_defect")
+    if raw is None:
+        return None
+    r = _Reader(manifest.path, raw, f"e2e.configs[{config.id}].known_defect.")
+    return {"raises": r.str("raises"), "symptom": r.str("symptom"), "reason": r.str("reason")}
+
+
+def _table(manifest: Manifest, config: E2EConfig, key: str) -> dict[str, Any]:
+    value = config.raw.get(key, {})
+    if not isinstance(value, dict):
+        raise ManifestError(f"{manifest.path.name}: key 'e2e.configs[{config.id}].{key}': "
+                            f"expected a table, got {value!r}")
+    return dict(value)
+
+
+def resolve_config(manifest: Manifest, config: E2EConfig, mode: str) -> Config:
+    known = _known_answer(manifest, config)
+    if known is not None:
+        known["target"] = fixture_model(manifest, known["target"])
+        known["draft"] = fixture_model(manifest, known["draft"]) if known["draft"] else None
+    if config.method != "none" and config.num_speculative_tokens < 1:
+        raise ManifestError(f"{manifest.path.name}: key 'e2e.configs[{config.id}].num_speculative_tokens': "
+                            f"expected a positive integer for method {config.method}, "
+                            f"got {config.num_speculative_tokens}")
+    return Config(
+        id=config.id, method=config.method, runner=config.runner, k=config.num_speculative_tokens,
+        floors=dict(config.floors),
+        target=resolved_model(manifest, config.target, mode),
+        draft=resolved_model(manifest, config.draft, mode) if config.draft else None,
+        speculative=_table(manifest, config, "speculative"),
+        engine=_table(manifest, config, "engine"),
+        known_answer=known,
+        known_defect=_known_defect(manifest, config),
+        measured=_table(manifest, config, "measured"),
+    )
+
+
+def missing_models(configs: Iterable[Config]) -> list[Model]:
+    seen: dict[str, Model] = {}
+    for c in configs:
+        for m in (c.target, c.draft):
+            if m is not None and m.path is None:
+                seen[m.name] = m
+    return list(seen.values())
+
+
+def plan_dict(mode: str, settings: Settings, configs: list[Config], shard: tuple[int, int]) -> dict[str, Any]:
+    return {"model_mode": mode, "shard": {"num_shards": shard[0], "shard_id": shard[1]},
+            "settings": asdict(settings), "configs": [asdict(c) for c in configs]}
+
+
+def _model(data: dict[str, Any] | None) -> Model | None:
+    return Model(**data) if data else None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    data = dict(data)
+    data["target"], data["draft"] = _model(data["target"]), _model(data["draft"])
+    if data["known_answer"]:
+        data["known_answer"] = {**data["known_answer"], "target": _model(data["known_answer"]["target"]),
+                                "draft": _model(data["known_answer"]["draft"])}
+    return Config(**data)
+
+
+def load_plan(path: str | Path) -> tuple[str, Settings, list[Config]]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    settings = data["settings"]
+    settings = Settings(**{**settings, "prompts": tuple(settings["prompts"]),
+                           "known_answer_prompts": tuple(tuple(p) for p in settings["known_answer_prompts"])})
+    return data["model_mode"], settings, [config_from_dict(c) for c in data["configs"]]
+
+
+def planned_ids(plan_path: str | None) -> list[str] | None:
+    """The config ids a session's plan holds (None: no plan, all of the manifest's)."""
+    if not plan_path:
+        return None
+    return [c["id"] for c in json.loads(Path(plan_path).read_text(encoding="utf-8"))["configs"]]

@@ -1,0 +1,98 @@
+"""`nox -s mutants`: the fixture-mode cpu_e2e checks, once per mutant of the catalogue.
+
+1. A control run with no mutant: every check must pass, or a kill would mean nothing.
+2. Per mutant, the same checks with the mutant installed in every engine process
+   (MUTANT_VAR). The checks that fail or error kill it; one that no check catches survives
+   (a finding: add the check, or explain in the README why fixture mode cannot see it). A
+   mutant whose patch never fired was not exercised and counts as a survivor too.
+3. summary.json: `mutants` (name, what, why_real, killed_by, survived, fired) and `kill_rate`;
+   its `tests` hold one entry per mutant, passed when killed, failed when it survived.
+
+Exit codes: 0 every mutant killed, 1 a survivor or a failed control run, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from specgate import artifacts, cli, exitcodes, lifecycle
+from specgate.e2e.planning import Settings, missing_models, plan_dict, resolve_config
+from specgate.e2e.session import run_tests
+from specgate.manifest import ManifestError
+from specgate.mutants import MUTANT_VAR, SESSION
+from specgate.mutants.catalogue import CATALOGUE, MUTANTS
+
+MODE = "fixture"     # the offline checks this session scores; hub checkpoints are not needed
+
+
+def build_parser():
+    p = cli.parser(SESSION, __doc__.splitlines()[0].split(": ", 1)[1])
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=list(MUTANTS),
+                   help="run only these mutants (default: the whole catalogue)")
+    return p
+
+
+def _failed(rows: list[dict[str, Any]]) -> list[str]:
+    return [r["nodeid"] for r in rows if r["outcome"] in ("failed", "error")]
+
+
+def step(ctx: lifecycle.Context) -> int:
+    args, manifest, record = ctx.args, ctx.manifest, ctx.record
+    out = artifacts.artifacts_dir(SESSION)
+    chosen = [m for m in CATALOGUE if not args.only or m.name in args.only]
+    record.update(model_mode=MODE, mutants=[], kill_rate=None, control=None)
+    try:
+        settings = Settings.parse(manifest)
+        configs = [resolve_config(manifest, c, MODE) for c in manifest.e2e]
+    except ManifestError as exc:
+        raise cli.BadInput(str(exc)) from None
+    if missing_models(configs):
+        raise lifecycle.Abort("a fixture could not be resolved: " + ", ".join(m.name for m in missing_models(configs)),
+                              exitcodes.FAILURE)
+    plan = plan_dict(MODE, settings, configs, (1, 0))
+
+    print(f"== {SESSION}: control run (no mutant) ==", flush=True)
+    code, rows, engines, _ = run_tests(manifest, SESSION, plan, out / "control", args.pytest_args)
+    record["control"] = {"pytest_exit_code": code, "failed": _failed(rows),
+                         "passed": sum(r["outcome"] == "passed" for r in rows)}
+    if code or _failed(rows) or not rows:
+        record["error"] = "the control run did not pass, so no kill would mean anything: " + \
+                          (", ".join(_failed(rows)) or f"pytest exit {code}")
+        return exitcodes.FAILURE
+
+    for mutant in chosen:
+        print(f"== {SESSION}: {mutant.name}: {mutant.what} ==", flush=True)
+        started = time.monotonic()
+        code, rows, engines, _ = run_tests(manifest, SESSION, plan, out / mutant.name, args.pytest_args,
+                                           {MUTANT_VAR: mutant.name})
+        fired = sum(e.get("mutant_fired") or 0 for e in engines)
+        killed_by = _failed(rows) if fired else []
+        record["mutants"].append({"name": mutant.name, "what": mutant.what, "why_real": mutant.why_real,
+                                  "killed_by": killed_by, "survived": not killed_by, "fired": fired,
+                                  "pytest_exit_code": code, "time_s": round(time.monotonic() - started, 1)})
+        print(f"{mutant.name}: fired {fired} times; " + (f"killed by {len(killed_by)} check(s)" if killed_by
+                                                          else "SURVIVED"), flush=True)
+    results = record["mutants"]
+    record["kill_rate"] = round(sum(not m["survived"] for m in results) / len(results), 4) if results else None
+    record["tests"] = [_entry(m) for m in results]
+    print(format_table(results), flush=True)
+    return exitcodes.FAILURE if any(m["survived"] for m in results) else exitcodes.OK
+
+
+def _entry(m: dict[str, Any]) -> dict[str, Any]:
+    """The mutant as a summary test entry: passed when a check killed it."""
+    if not m["survived"]:
+        reason = f"killed by {len(m['killed_by'])} check(s): " + ", ".join(n.split("::")[-1] for n in m["killed_by"])
+    elif not m["fired"]:
+        reason = "survived: the patch never fired, so the mutant was not exercised"
+    else:
+        reason = "survived: every check passed with the fault in place"
+    return {"nodeid": f"mutant:{m['name']}", "outcome": "failed" if m["survived"] else "passed",
+            "cause": "failure" if m["survived"] else None, "reason": reason, "time_s": m["time_s"]}
+
+
+def format_table(mutants: list[dict[str, Any]]) -> str:
+    return artifacts.format_rows(["mutant", "fired", "killed by"], [
+        [m["name"], m["fired"], ", ".join(n.split("::")[-1] for n in m["killed_by"]) or "SURVIVED"]
+        for m in mutants])
