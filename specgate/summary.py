@@ -113,10 +113,9 @@ def read(session: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _earlier_attempts(session: str, rid: str, attempt: int) -> list[dict[str, Any]]:
+def _earlier_attempts(old: dict[str, Any] | None, rid: str, attempt: int) -> list[dict[str, Any]]:
     """A wrapper rerun of the same job carries the attempts before it (so the gate sees
-    a test that passed only after a rerun)."""
-    old = read(session)
+    a test that passed only after a rerun); `old` is the summary this run replaces."""
     if attempt < 2 or not old or old.get("run_id") != rid:
         return []
     mine = {"attempt": (old.get("run") or {}).get("attempt"), "status": old.get("status"),
@@ -134,7 +133,7 @@ def begin(session: str, *, env: dict[str, str | None] | None = None,
         started_at = old.get("started_at") or now()    # nox began this run; the session continues it
         earlier = old.get("earlier_attempts") or []
     else:
-        started_at, earlier = now(), _earlier_attempts(session, rid, run["attempt"])
+        started_at, earlier = now(), _earlier_attempts(old, rid, run["attempt"])
     record = {
         "schema": SCHEMA_VERSION, "session": session, "run_id": rid, "run": run,
         "shard": {"num_shards": 1, "shard_id": 0},
