@@ -258,3 +258,15 @@ def test_script_reads_undecodable_bytes(tmp_path: Path):
     log.write_bytes(b"\xff\xfe garbage\n" + EXCERPTS["auth"].encode())
     proc = _script(str(log))
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "auth"
+
+
+@pytest.mark.parametrize("prefix", ["", "(EngineCore pid=7) ", "[2026-11-30T16:40:53Z] (EngineCore pid=7) "])
+@pytest.mark.parametrize("level", ["INFO", "DEBUG"])
+def test_vllm_progress_records_say_nothing(prefix: str, level: str):
+    """vLLM's INFO/DEBUG records are dropped before any rule reads a line (that is what
+    makes a 35 MB engine log fast); a WARNING or ERROR record with the same words counts."""
+    miss = (LOGS / "cache-miss" / "hf_hub_download_offline.log").read_text()
+    progress = f"{prefix}{level} 11-30 16:40:53 [core.py:402] retrying after Connection refused\n"
+    assert classify(progress * 3 + miss) == "cache-miss"
+    warning = progress.replace(level, "WARNING", 1)
+    assert classify(warning + miss) == "transient"
