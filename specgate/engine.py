@@ -94,18 +94,30 @@ def compilation(llm: Any) -> dict[str, str]:
 
 
 def compile_counters() -> dict[str, int]:
-    """vLLM's process-wide compilation counters (vllm.compilation.counter); they see the
-    engine's compiles only when the engine core runs in this process."""
+    """vLLM's process-wide compilation counters (vllm.compilation.counter), plus torch's
+    FX graph cache hits and misses (as "inductor.fxgraph_cache_hit" / "..._miss"); they see
+    the engine's compiles only when the engine core runs in this process."""
     import dataclasses
 
+    from torch._dynamo.utils import counters as torch_counters
+
     counter = vllm_global("vllm.compilation.counter", "compilation_counter")
-    return {f.name: getattr(counter, f.name) for f in dataclasses.fields(counter)}
+    values = {f.name: getattr(counter, f.name) for f in dataclasses.fields(counter)}
+    values.update({f"inductor.{name}": torch_counters["inductor"][name] for name in INDUCTOR_COMPILES})
+    return values
+
+
+# With VLLM_USE_AOT_COMPILE=0 (cpu_e2e's pin: vLLM 0.32 cannot load its own AOT artifacts on
+# CPU) vLLM counts no compile at all; inductor's FX graph cache then shows each compiled graph,
+# whether compiled now (miss) or loaded from the cache (hit). The eager backend touches neither.
+INDUCTOR_COMPILES = ("fxgraph_cache_hit", "fxgraph_cache_miss")
 
 
 def compiled_model(counters: dict[str, int]) -> bool:
-    """Whether the counters saw the model go through torch.compile (compiled now, or its
-    AOT-compiled artifact loaded from the compile cache)."""
-    return counters.get("num_aot_compiles", 0) + counters.get("num_aot_artifacts_loaded", 0) > 0
+    """Whether the counters saw the model go through torch.compile with inductor: vLLM's AOT
+    compile (compiled now or its artifact loaded), or inductor compiling or loading a graph."""
+    names = ("num_aot_compiles", "num_aot_artifacts_loaded", *(f"inductor.{n}" for n in INDUCTOR_COMPILES))
+    return sum(counters.get(name, 0) for name in names) > 0
 
 
 def runner(llm: Any) -> str:

@@ -307,8 +307,11 @@ def test_hub_mode_without_the_checkpoints_exits_75_before_any_engine(tmp_path):
     assert "missing: Qwen/Qwen3-0.6B" in proc.stdout
 
 
-def test_compiled_model_reads_vllms_compile_counters():
+def test_compiled_model_reads_vllms_and_inductors_compile_counters():
     assert not engine.compiled_model({})
-    assert not engine.compiled_model({"num_models_seen": 2})
+    assert not engine.compiled_model({"num_models_seen": 2})   # what an eager (or AOT-off) engine shows in vLLM's
+    assert not engine.compiled_model({"num_models_seen": 2, "inductor.fxgraph_cache_hit": 0})
     assert engine.compiled_model({"num_aot_compiles": 1})
     assert engine.compiled_model({"num_aot_artifacts_loaded": 1})   # compiled earlier, loaded from the cache
+    assert engine.compiled_model({"num_models_seen": 2, "inductor.fxgraph_cache_miss": 1})   # AOT off, cold
+    assert engine.compiled_model({"num_models_seen": 2, "inductor.fxgraph_cache_hit": 1})    # AOT off, warm
