@@ -13,8 +13,19 @@ pinned nox, from the repo root, the way .ci/run runs them:
                  in a temp folder, each installer with its own cache as found (--skip-pip)
   e2e_cache      e2e_cold_s, e2e_warm_s, e2e_warm_cold_ratio: fixture-mode cpu_e2e with an
                  empty compile cache, then again with the cache that run filled
-  engine_start   engine_start_s: median engine start (compile mode, tiny fixture) that
-                 cpu_e2e records in its summary; from the e2e_cache runs, else one run of its own
+  engine_start   engine_start_s, engine_start_warm_s: median engine start (compile mode, tiny
+                 fixture) that cpu_e2e records in its summary; from the e2e_cache runs (the warm
+                 one), else one run of its own on the compile cache as found
+  e2e_upstream   e2e_vs_upstream_ratio: pytest wall of our fixture-mode cpu_e2e checks over that
+                 of upstream's tests/v1/e2e/test_cpu_spec_decode.py on the same fixtures
+                 (`--upstream-e2e`, one session runs both), warm compile cache, median of --runs
+  tests          tests_pytest_s: pytest wall of `nox -R -s tests` (the harness's own tests), one run
+  classify       classify_35mb_s, classify_grep_35mb_s: scripts/classify_failure.py and upstream's
+                 `grep -E` of its retry pattern on a 35 MB log (400,000 vLLM INFO lines, then an
+                 offline cache miss from tests/logs), median of max(3, --runs); the run fails
+                 unless the label is cache-miss and every tests/logs excerpt keeps its label
+  fresh_clone    fresh_clone_ci_s: `git clone` of this repo's HEAD into a temp folder, then
+                 `CI=true bash .ci/run` there (installer caches as found), one run
 
 artifacts/bench/bench.json and bench.md hold the figures, the goals (met / not met /
 not measured), the machine, versions, load, the date and the command; child output
@@ -46,7 +57,8 @@ from specgate import artifacts, cli, compilecache, envpin, exitcodes, lifecycle,
 from specgate.manifest import REPO_ROOT, Manifest
 
 SESSION = "bench"
-FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start")
+FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start", "e2e_upstream", "tests",
+           "classify", "fresh_clone")
 NOXW = REPO_ROOT / "scripts" / "noxw.py"
 MEMINFO = Path("/proc/meminfo")
 E2E_ARGS = ("-s", "cpu_e2e", "--", "--model-source", "fixture")
@@ -90,6 +102,13 @@ GOALS = (
     Goal("warm_cache_noop_s", 3.0, "warm_cache with everything present takes at most 3 s"),
     Goal("e2e_warm_cold_ratio", 0.6, "a warm compile cache brings cpu_e2e to at most 60% of cold"),
     Goal("e2e_cold_s", 360.0, "fixture-mode cpu_e2e takes at most 6 min, even with a cold compile cache"),
+    Goal("e2e_vs_upstream_ratio", 1.0, "our cpu_e2e checks take no longer than upstream's one e2e file"),
+    Goal("e2e_warm_s", 90.0, "fixture-mode cpu_e2e takes at most 90 s with a warm compile cache"),
+    Goal("e2e_cold_s", 180.0, "fixture-mode cpu_e2e takes at most 3 min with an empty compile cache"),
+    Goal("engine_start_warm_s", 4.0, "a tiny-model engine starts in at most 4 s with a warm compile cache"),
+    Goal("tests_pytest_s", 60.0, "the harness's own tests take at most 60 s of pytest"),
+    Goal("fresh_clone_ci_s", 300.0, "a fresh clone gets through .ci/run in at most 5 min"),
+    Goal("classify_35mb_s", 2.0, "a 35 MB log is classified in at most 2 s"),
 )
 
 
@@ -418,27 +437,26 @@ def timed_steps(runner: Runner, name: str, env: Mapping[str, str], commands: lis
                           "cache": "the installer's own cache as found on this machine"})
 
 
-def e2e_cache(runner: Runner) -> tuple[list[Figure], list[dict]]:
-    """Cold then warm fixture-mode cpu_e2e on a compile cache that starts empty.
+def e2e_cache(runner: Runner, compile_root: Path) -> tuple[list[Figure], list[dict]]:
+    """Cold then warm fixture-mode cpu_e2e on a compile cache (compile_root) that starts empty.
     Only a passing run whose engines started is timed: a failing run skips work.
     Also returns the runs' summaries (for engine_start)."""
     prep = prepare(runner, "cpu_e2e")
     if prep.problem:
         return [Figure.missing(n, "s", prep.problem) for n in ("e2e_cold_s", "e2e_warm_s")], []
     summaries, figures = [], []
-    with tempfile.TemporaryDirectory(prefix="specgate-bench-compile-") as tmp:
-        env = {**shell_env(), compilecache.ROOT_VAR: tmp}
-        for label in ("cold", "warm"):
-            sample, summary = runner.session(f"e2e-{label}", "cpu_e2e", ["-R", *E2E_ARGS], env=env, ok_codes=(0,))
-            detail = {"command": "nox -R " + shlex.join(E2E_ARGS), "exit_code": sample.exit_code,
-                      "compile_cache": "empty at start" if label == "cold" else "filled by the cold run"}
-            if summary is not None:
-                summaries.append({"run": label, **summary})
-                detail |= {"counts": summary.get("counts"), "engines": len(summary.get("engines") or []),
-                           "session_wall_s": summary.get("wall_s")}
-                if not sample.problem and not engine_starts(summary):
-                    sample.problem = f"e2e-{label}: no engine started (log: artifacts/{sample.log})"
-            figures.append(timed_figure(f"e2e_{label}_s", [sample], **detail))
+    env = {**shell_env(), compilecache.ROOT_VAR: str(compile_root)}
+    for label in ("cold", "warm"):
+        sample, summary = runner.session(f"e2e-{label}", "cpu_e2e", ["-R", *E2E_ARGS], env=env, ok_codes=(0,))
+        detail = {"command": "nox -R " + shlex.join(E2E_ARGS), "exit_code": sample.exit_code,
+                  "compile_cache": "empty at start" if label == "cold" else "filled by the cold run"}
+        if summary is not None:
+            summaries.append({"run": label, **summary})
+            detail |= {"counts": summary.get("counts"), "engines": len(summary.get("engines") or []),
+                       "session_wall_s": summary.get("wall_s"), "pytest_wall_s": summary.get("pytest_wall_s")}
+            if not sample.problem and not engine_starts(summary):
+                sample.problem = f"e2e-{label}: no engine started (log: artifacts/{sample.log})"
+        figures.append(timed_figure(f"e2e_{label}_s", [sample], **detail))
     figures.append(ratio_figure("e2e_warm_cold_ratio", figures[1], figures[0]))
     return figures, summaries
 
@@ -449,22 +467,145 @@ def engine_starts(summary: dict) -> list[float]:
 
 
 def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
-    name = "engine_start_s"
+    """The median engine start of the last cpu_e2e run: the warm one of e2e_cache, else a run
+    of its own on the compile cache as found (warm once any cpu_e2e ran on this machine)."""
     if not summaries:
         sample, summary = runner.session("e2e-engine-start", "cpu_e2e", ["-R", *E2E_ARGS], env=shell_env(),
                                          ok_codes=(0,))
         if summary is None:
-            return [Figure.missing(name, "s", sample.problem or "cpu_e2e wrote no summary")]
+            reason = sample.problem or "cpu_e2e wrote no summary"
+            return [Figure.missing(n, "s", reason) for n in ("engine_start_s", "engine_start_warm_s")]
         summaries = [{"run": "own", **summary}]
     chosen = summaries[-1]
     starts = engine_starts(chosen)
     if not starts:
-        return [Figure.missing(name, "s", "cpu_e2e's summary.json records no engine start times")]
+        reason = "cpu_e2e's summary.json records no engine start times"
+        return [Figure.missing(n, "s", reason) for n in ("engine_start_s", "engine_start_warm_s")]
     detail = {"from": f"cpu_e2e summary.json, engines[].init_s ({chosen['run']} run)",
               "by_run": {s["run"]: engine_starts(s) for s in summaries},
               "compile": sorted({f"{c['mode']}/{c['backend']}" for e in chosen.get("engines") or []
                                  if (c := e.get("compilation"))})}
-    return [Figure(name, "s", round(median(starts), 2), starts, detail=detail)]
+    value = round(median(starts), 2)
+    # engine_start_warm_s is the same median under the name the goal uses.
+    return [Figure("engine_start_s", "s", value, starts, detail=detail),
+            Figure("engine_start_warm_s", "s", value, starts, detail={**detail, "note": "same as engine_start_s"})]
+
+
+UPSTREAM_ARGS = (*E2E_ARGS, "--upstream-e2e")
+
+
+def e2e_upstream(runner: Runner, runs: int, compile_root: Path, warm: bool) -> list[Figure]:
+    """Ours over upstream's e2e file, both timed inside one `--upstream-e2e` session run
+    (ours first, then upstream's), `runs` times; when the compile cache is not warm yet
+    (e2e_cache did not run), one untimed run warms it."""
+    name = "e2e_vs_upstream_ratio"
+    prep = prepare(runner, "cpu_e2e")
+    if prep.problem:
+        return [Figure.missing(name, "x", prep.problem)]
+    env = {**shell_env(), compilecache.ROOT_VAR: str(compile_root)}
+    ours: list[Sample] = []
+    theirs: list[Sample] = []
+    for index in range(runs + (0 if warm else 1)):
+        label = f"e2e-upstream-{index + 1}" if warm or index else "e2e-upstream-warmup"
+        sample, summary = runner.session(label, "cpu_e2e", ["-R", *UPSTREAM_ARGS], env=env, ok_codes=(0,))
+        upstream = (summary or {}).get("upstream_e2e") or {}
+        if not sample.problem and not (summary or {}).get("pytest_wall_s"):
+            sample.problem = f"{label}: summary.json has no pytest_wall_s (log: artifacts/{sample.log})"
+        if not sample.problem and not upstream.get("pytest_wall_s"):
+            sample.problem = f"{label}: upstream's e2e file did not run: {upstream.get('error') or upstream}"
+        if sample.problem:
+            ours.append(sample)
+            break
+        if label.endswith("warmup"):
+            continue
+        ours.append(Sample(summary["pytest_wall_s"], sample.exit_code, sample.log))
+        theirs.append(Sample(upstream["pytest_wall_s"], sample.exit_code, sample.log))
+    top = timed_figure("e2e_ours_pytest_s", ours, command="nox -R " + shlex.join(UPSTREAM_ARGS))
+    bottom = timed_figure("e2e_upstream_pytest_s", theirs, file="tests/v1/e2e/test_cpu_spec_decode.py")
+    figure = ratio_figure(name, top, bottom, compile_cache="warm")
+    figure.samples = [round(a.seconds / b.seconds, 3) for a, b in zip(ours, theirs, strict=False)]
+    return [figure, top, bottom]
+
+
+def tests_wall(runner: Runner) -> list[Figure]:
+    """pytest's wall time in one `nox -R -s tests` (a passing run: a failing one may skip work)."""
+    name = "tests_pytest_s"
+    prep = prepare(runner, "tests")
+    if prep.problem:
+        return [Figure.missing(name, "s", prep.problem)]
+    sample, summary = runner.session("tests", "tests", ["-R", "-s", "tests"], env=shell_env(), ok_codes=(0,))
+    if sample.problem or summary is None or summary.get("pytest_wall_s") is None:
+        return [Figure.missing(name, "s", sample.problem or "the tests session recorded no pytest_wall_s")]
+    return [Figure(name, "s", summary["pytest_wall_s"], [summary["pytest_wall_s"]],
+                   detail={"command": "nox -R -s tests", "session_s": sample.seconds, "counts": summary["counts"]})]
+
+
+CLASSIFY_LINES = 400_000
+CLASSIFY_NOISE = ("(EngineCore pid=4242) INFO 11-30 16:40:53 [gpu_model_runner.py:2317] "
+                  "Model loading took 0.0153 GiB and 0.171 seconds\n")
+CLASSIFY_TAIL = REPO_ROOT / "tests" / "logs" / "cache-miss" / "hf_hub_download_offline.log"
+UPSTREAM_SCRIPT = ".buildkite/scripts/hardware_ci/run-cpu-test.sh"
+
+
+def classify_speed(runner: Runner, runs: int) -> list[Figure]:
+    """Our classifier against upstream's retry grep on one 35 MB log, plus the corpus check."""
+    from specgate import classify, upstream
+
+    names = ("classify_35mb_s", "classify_grep_35mb_s")
+    try:
+        pattern = upstream_retry_pattern(upstream.tree(upstream.installed_version()) / UPSTREAM_SCRIPT)
+    except (upstream.UpstreamError, OSError, ValueError) as exc:
+        return [Figure.missing(n, "s", f"upstream's retry pattern: {exc}") for n in names]
+    corpus = sorted((REPO_ROOT / "tests" / "logs").glob("*/*.log"))
+    wrong = [f"{p.parent.name}/{p.name}: {label}" for p in corpus
+             if (label := classify.classify(p.read_text(encoding="utf-8"))) != p.parent.name]
+    with tempfile.TemporaryDirectory(prefix="specgate-bench-log-") as tmp:
+        log = Path(tmp) / "engine.log"
+        log.write_text(CLASSIFY_NOISE * CLASSIFY_LINES + CLASSIFY_TAIL.read_text(encoding="utf-8"), encoding="utf-8")
+        size_mb = round(log.stat().st_size / 1e6, 1)
+        samples = interleaved(max(3, runs), {
+            "ours": lambda i: runner.run(f"classify-{i + 1}", [sys.executable, REPO_ROOT / "scripts" /
+                                                               "classify_failure.py", log], env=shell_env()),
+            "grep": lambda i: runner.run(f"classify-grep-{i + 1}", ["grep", "-qE", pattern, log], env=shell_env()),
+        })
+    labels = {(runner.logs / Path(s.log).name).read_text().splitlines()[-1] for s in samples["ours"] if not s.problem}
+    if labels != {"cache-miss"}:
+        samples["ours"][-1].problem = f"classify_failure.py said {sorted(labels)}, not cache-miss"
+    if wrong:
+        samples["ours"][-1].problem = "tests/logs excerpts relabelled: " + "; ".join(wrong)
+    detail = {"log_mb": size_mb, "lines": CLASSIFY_LINES + 1, "corpus": f"{len(corpus) - len(wrong)}/{len(corpus)}"}
+    return [timed_figure(names[0], samples["ours"], command="python3 scripts/classify_failure.py LOG", **detail),
+            timed_figure(names[1], samples["grep"], command=f"grep -qE <{UPSTREAM_SCRIPT} OFFLINE_RETRY_PATTERN> LOG",
+                         **detail)]
+
+
+def upstream_retry_pattern(script: Path) -> str:
+    """The OFFLINE_RETRY_PATTERN='...' upstream's CPU CI script greps its log with."""
+    for line in script.read_text(encoding="utf-8").splitlines():
+        if line.startswith("OFFLINE_RETRY_PATTERN="):
+            return shlex.split(line.partition("=")[2])[0]
+    raise ValueError(f"{script} sets no OFFLINE_RETRY_PATTERN")
+
+
+def fresh_clone(runner: Runner) -> list[Figure]:
+    """A clone of HEAD through .ci/run, as CI runs it; uncommitted changes are not in it."""
+    name = "fresh_clone_ci_s"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="specgate-bench-clone-") as tmp:
+        clone = Path(tmp) / "clone"
+        env = {**shell_env(), "CI": "true"}
+        env.pop("SPECGATE_ARTIFACTS", None)   # the clone's sessions write into the clone, as in CI
+        steps = [runner.run("fresh-clone-git", ["git", "clone", "--quiet", "--no-hardlinks", REPO_ROOT, clone],
+                            env=env)]
+        if not steps[0].problem:
+            steps.append(runner.run("fresh-clone-ci", ["bash", ".ci/run"], env=env, cwd=clone))
+        problem = first_problem(steps)
+        if problem:
+            return [Figure.missing(name, "s", problem, commit=commit)]
+    total = round(sum(s.seconds for s in steps), 2)
+    return [Figure(name, "s", total, [s.seconds for s in steps],
+                   detail={"commit": commit, "commands": ["git clone", "CI=true bash .ci/run"],
+                           "installer_cache": "as found on this machine"})]
 
 
 # --------------------------------------------------------------------------- report
@@ -558,22 +699,33 @@ def step(ctx: lifecycle.Context) -> int:
     load: dict[str, dict[str, dict]] = {}
     figures: list[Figure] = []
     e2e_summaries: list[dict] = []
-    for figure in selected:
-        load[figure] = {"start": load_snapshot()}
-        print(f"== {figure} (load {load[figure]['start']['loadavg_1m']}, "
-              f"{load[figure]['start']['other_torch_processes']} other torch process(es)) ==", flush=True)
-        if figure == "unit_overhead":
-            figures += unit_overhead(runner, manifest, args.runs)
-        elif figure == "warm_noop":
-            figures += warm_noop(runner, args.runs)
-        elif figure == "env_setup":
-            figures += env_setup(runner, manifest, args.skip_pip)
-        elif figure == "e2e_cache":
-            found, e2e_summaries = e2e_cache(runner)
-            figures += found
-        elif figure == "engine_start":
-            figures += engine_start(runner, e2e_summaries)
-        load[figure]["end"] = load_snapshot()
+    # One compile cache for the bench's e2e runs: e2e_cache fills it, e2e_upstream reuses it warm.
+    with tempfile.TemporaryDirectory(prefix="specgate-bench-compile-") as compile_dir:
+        compile_root = Path(compile_dir)
+        for figure in selected:
+            load[figure] = {"start": load_snapshot()}
+            print(f"== {figure} (load {load[figure]['start']['loadavg_1m']}, "
+                  f"{load[figure]['start']['other_torch_processes']} other torch process(es)) ==", flush=True)
+            if figure == "unit_overhead":
+                figures += unit_overhead(runner, manifest, args.runs)
+            elif figure == "warm_noop":
+                figures += warm_noop(runner, args.runs)
+            elif figure == "env_setup":
+                figures += env_setup(runner, manifest, args.skip_pip)
+            elif figure == "e2e_cache":
+                found, e2e_summaries = e2e_cache(runner, compile_root)
+                figures += found
+            elif figure == "engine_start":
+                figures += engine_start(runner, e2e_summaries)
+            elif figure == "e2e_upstream":
+                figures += e2e_upstream(runner, args.runs, compile_root, warm=bool(e2e_summaries))
+            elif figure == "tests":
+                figures += tests_wall(runner)
+            elif figure == "classify":
+                figures += classify_speed(runner, args.runs)
+            elif figure == "fresh_clone":
+                figures += fresh_clone(runner)
+            load[figure]["end"] = load_snapshot()
     argv = sys.argv[1:]
     command = "nox -s bench" + (" -- " + shlex.join(argv) if argv else "")
     report = build_report(figures, selected=selected, args=args, command=command, machine=machine_info(),

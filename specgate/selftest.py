@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from specgate import artifacts, cli, exitcodes, lifecycle, pytestrun
 from specgate.manifest import REPO_ROOT
 
@@ -11,8 +13,10 @@ SESSION = "tests"
 def step(ctx: lifecycle.Context) -> int:
     junit = artifacts.artifacts_dir(SESSION) / "junit.xml"
     junit.unlink(missing_ok=True)
+    started = time.monotonic()
     code = pytestrun.run_pytest(["-rA", *ctx.args.pytest_args], junit, cwd=REPO_ROOT, env=pytestrun.child_env(),
                                 log=junit.with_name("pytest.log"))
+    ctx.record["pytest_wall_s"] = round(time.monotonic() - started, 2)
     results = pytestrun.read_junit(junit) if junit.is_file() else []
     ctx.record["tests"] = [r.entry(cause=None if r.outcome == "passed" else "failure" if r.outcome in
                                    ("failed", "error") else "skip") for r in results]

@@ -15,9 +15,10 @@ Exit codes: 0 passed (every skip names its reason), 1 a failure, 2 bad input,
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from specgate import artifacts, cli, e2e_history, envpin, exitcodes, history, lifecycle, pytestrun
 from specgate.e2e import SESSION
@@ -46,12 +47,18 @@ def build_parser():
     return p
 
 
+class TestRun(NamedTuple):
+    code: int                        # pytest's exit code
+    rows: list[dict[str, Any]]       # one per test: JUnit merged with what the test recorded
+    engines: list[dict[str, Any]]    # one per engine start
+    env: dict[str, str]              # the environment pytest ran in
+    wall_s: float                    # pytest's wall time
+
+
 def run_tests(manifest: Manifest, session: str, plan: dict[str, Any], out: Path, pytest_args: list[str],
-              extra_env: dict[str, str] | None = None) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]],
-                                                                dict[str, str]]:
+              extra_env: dict[str, str] | None = None) -> TestRun:
     """Write the plan into `out`, run tests/e2e on it under pytest (the session's pinned
-    environment plus extra_env), and merge JUnit with what the tests recorded. Returns pytest's
-    exit code, the test rows, the engine rows and the environment pytest ran in."""
+    environment plus extra_env), and merge JUnit with what the tests recorded."""
     from specgate import compilecache
 
     plan_path, records, junit = out / "plan.json", out / "records.jsonl", out / "junit.xml"
@@ -64,11 +71,13 @@ def run_tests(manifest: Manifest, session: str, plan: dict[str, Any], out: Path,
     engine_env = Settings(**plan["settings"]).child_env()
     print("compile caches: " + ", ".join(f"{k}={env[k]}" for k in sorted(compilecache.compile_cache_env()))
           + "; engine processes add " + ", ".join(f"{k}={v}" for k, v in engine_env.items()), flush=True)
+    started = time.monotonic()
     code = pytestrun.run_pytest(["-m", "e2e", "-rA", "-p", "no:cacheprovider", TESTS_DIR, *pytest_args],
                                 junit, cwd=REPO_ROOT, env=env, log=out / "pytest.log")
+    wall_s = round(time.monotonic() - started, 2)
     recorded = Recorder(records).read()
     rows = merge_results(pytestrun.read_junit(junit) if junit.is_file() else [], recorded)
-    return code, rows, engine_rows(recorded), env
+    return TestRun(code, rows, engine_rows(recorded), env, wall_s)
 
 
 def step(ctx: lifecycle.Context) -> int:
@@ -95,7 +104,7 @@ def step(ctx: lifecycle.Context) -> int:
         return exitcodes.OK
 
     plan = plan_dict(args.model_source, settings, configs, (args.num_shards, args.shard_id))
-    code, rows, engines, env = run_tests(manifest, SESSION, plan, out, args.pytest_args)
+    code, rows, engines, env, record["pytest_wall_s"] = run_tests(manifest, SESSION, plan, out, args.pytest_args)
     record["env"] = envpin.effective_env(env, envpin.session_env(manifest, SESSION))
     record["engine_process_env"] = settings.child_env()
     exit_code = session_exit_code(code, rows)

@@ -53,7 +53,7 @@ def step(ctx: lifecycle.Context) -> int:
     plan = plan_dict(MODE, settings, configs, (1, 0))
 
     print(f"== {SESSION}: control run (no mutant) ==", flush=True)
-    code, rows, engines, _ = run_tests(manifest, SESSION, plan, out / "control", args.pytest_args)
+    code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / "control", args.pytest_args)
     record["control"] = {"pytest_exit_code": code, "failed": _failed(rows),
                          "passed": sum(r["outcome"] == "passed" for r in rows)}
     if code or _failed(rows) or not rows:
@@ -64,8 +64,8 @@ def step(ctx: lifecycle.Context) -> int:
     for mutant in chosen:
         print(f"== {SESSION}: {mutant.name}: {mutant.what} ==", flush=True)
         started = time.monotonic()
-        code, rows, engines, _ = run_tests(manifest, SESSION, plan, out / mutant.name, args.pytest_args,
-                                           {MUTANT_VAR: mutant.name})
+        code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / mutant.name, args.pytest_args,
+                                            {MUTANT_VAR: mutant.name})
         fired = sum(e.get("mutant_fired") or 0 for e in engines)
         killed_by = _failed(rows) if fired else []
         record["mutants"].append({"name": mutant.name, "what": mutant.what, "why_real": mutant.why_real,
