@@ -6,15 +6,17 @@ or `vllm_global`, which fail with one message naming the path and the vLLM
 version when vLLM moves it. vLLM is imported lazily: the session module imports
 specgate without paying for vLLM.
 
-Engines run in processes of their own (`python -m specgate.engine REQUEST RESULT`,
-see `run_engines`), one engine at a time, each started, used, shut down and freed
-before the next, the engine core in-process (no further spawns). A process runs
-several engines while that is safe and then exits: vLLM 0.32's CPU worker scans
-every loaded module when it starts (vllm.triton_utils.dispatcher._rebind_kernels),
-and once an ngram engine has loaded numba, llvmlite's lazy library wrapper answers
-`__dict__` with a function wrapper, so any later engine in that process fails with
-"AttributeError: '_lib_fn_wrapper' object has no attribute 'get'". The caller
-orders ngram engines last so this costs no extra process in the common case.
+Engines run in an engine host (`python -m specgate.engine REQUEST RESULT`, see
+`run_engines`): it imports vLLM and torch once, then forks a child that runs the engines
+one at a time, each started, used, shut down and freed before the next, the engine core
+in-process (no further spawns). A child runs several engines while that is safe and
+then exits, and the host forks a fresh one for the rest, which pays no second import:
+vLLM 0.32's CPU worker scans every loaded module when it starts
+(vllm.triton_utils.dispatcher._rebind_kernels), and once an ngram engine has loaded
+numba, llvmlite's lazy library wrapper answers `__dict__` with a function wrapper, so
+any later engine in that process fails with "AttributeError: '_lib_fn_wrapper' object
+has no attribute 'get'". The caller orders ngram engines last. The host itself never
+starts an engine, so every child starts from a process no engine has touched.
 """
 
 from __future__ import annotations
@@ -286,12 +288,12 @@ LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's 
                    "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
 
 
-def _generate_all(runs: list[dict[str, Any]], result_path: Path,
+def _generate_all(runs: list[dict[str, Any]], result_path: Path, results: dict[str, Any],
                   mutant_fired: Callable[[], int] | None = None) -> None:
-    """Child side: engines one after another in this process, the result file rewritten
-    after each. Stops early (the parent starts a fresh process for the rest) after a
-    failed engine, whose leftovers could spoil the next, or once llvmlite is loaded."""
-    results: dict[str, Any] = {}
+    """Engine child: engines one after another in this process, the result file (holding
+    `results`, those of earlier children, too) rewritten after each. Stops early (the host
+    forks a fresh child for the rest) after a failed engine, whose leftovers could spoil
+    the next, or once llvmlite is loaded."""
     stopped = None
     for index, run in enumerate(runs):
         if index and "llvmlite" in sys.modules:
@@ -307,6 +309,27 @@ def _generate_all(runs: list[dict[str, Any]], result_path: Path,
     _write_json(result_path, {"results": results, "stopped": stopped})
 
 
+def _fork_engines(runs: list[dict[str, Any]], result_path: Path, results: dict[str, Any],
+                  mutant_fired: Callable[[], int] | None) -> int:
+    """Host side: run `_generate_all` in a forked child and wait for it. Returns the child's
+    exit status as a shell would (128 + signal when a signal ended it)."""
+    pid = os.fork()
+    if pid == 0:   # the child: dies with the host, and leaves without the host's exit handlers
+        code = 1
+        try:
+            processes.die_with_parent()
+            _generate_all(runs, result_path, results, mutant_fired)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data), encoding="utf-8")
@@ -315,11 +338,11 @@ def _write_json(path: Path, data: Any) -> None:
 
 def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
                 timeout_s: float) -> dict[str, dict[str, Any]]:
-    """Run each {"key", "llm", "prompts", "sampling"} through `generate`, in as few fresh
-    processes as possible (`python -m specgate.engine`), one engine at a time. Returns
-    key -> result; a run that got no result (its process crashed or timed out) gets an
-    error record. A timeout (timeout_s per engine) ends the engine process and everything
-    it started."""
+    """Run each {"key", "llm", "prompts", "sampling"} through `generate` in an engine host
+    (`python -m specgate.engine`), one engine at a time. Returns key -> result; a run that
+    got no result (its engine child or the host crashed or timed out) gets an error record,
+    and a fresh host takes the rest. A timeout (timeout_s per engine) ends the host and
+    everything it started."""
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     pending = list(runs)
@@ -342,15 +365,27 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
         done = json.loads(result_path.read_text(encoding="utf-8"))["results"] if result_path.is_file() else {}
         results.update({key: {**result, "process": attempt} for key, result in done.items()})
         pending = [r for r in pending if r["key"] not in results]
-        if pending and why:  # the engine it was running when it died gets the blame
+        if pending and why:  # the engine a child was running when it died gets the blame
             results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
                                                     "traceback": "", "pickle": None}}
             pending = pending[1:]
     return results
 
 
+# What `generate` and every engine start import (vLLM imports most of itself lazily).
+HOST_IMPORTS = ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.inputs", "vllm.v1.worker.cpu_worker",
+                "vllm.v1.worker.cpu_model_runner")
+
+
 def main(argv: list[str]) -> int:
+    """The engine host: import vLLM once, then fork engine children until every run has a
+    result. A child that dies (not one whose engine failed: that is a result) ends the host
+    with its status, and run_engines blames the engine it was running."""
     request_path, result_path = Path(argv[0]), Path(argv[1])
+    started = time.monotonic()
+    for module in HOST_IMPORTS:   # here, once: every child forked below inherits them
+        importlib.import_module(module)
+    import_s = round(time.monotonic() - started, 2)
     mutant_fired = None
     mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.mutants)
     if mutant:
@@ -358,7 +393,19 @@ def main(argv: list[str]) -> int:
 
         catalogue.install(mutant)
         mutant_fired = catalogue.take_fired
-    _generate_all(json.loads(request_path.read_text(encoding="utf-8")), result_path, mutant_fired)
+    runs = json.loads(request_path.read_text(encoding="utf-8"))
+    results: dict[str, Any] = {}
+    while pending := [r for r in runs if r["key"] not in results]:
+        code = _fork_engines(pending, result_path, dict(results), mutant_fired)
+        if code:
+            return code
+        done = json.loads(result_path.read_text(encoding="utf-8"))["results"]
+        if len(done) == len(results):   # a child that ran nothing would be forked forever
+            raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
+        if not results:   # the first engine carries the import the host paid for all
+            done[pending[0]["key"]]["import_s"] = round(done[pending[0]["key"]]["import_s"] + import_s, 2)
+        results = done
+    _write_json(result_path, {"results": results, "stopped": None})
     return 0
 
 

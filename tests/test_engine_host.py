@@ -1,0 +1,44 @@
+"""The engine host (specgate.engine.main): vLLM imported once, engines in forked children."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from specgate import engine
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(key: str, model: str) -> dict:
+    return {"key": key, "llm": {"model": model, "max_model_len": 64}, "prompts": [[1, 2, 3]],
+            "sampling": {"max_tokens": 2, "temperature": 0}}
+
+
+def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once(tmp_path):
+    """Two engines that fail at LLM(...): the first child stops after its failure, the host
+    forks a second child for the rest, and both results arrive with one import between them."""
+    request, result = tmp_path / "request.json", tmp_path / "result.json"
+    runs = [_run("a", str(tmp_path / "no-such-model-a")), _run("b", str(tmp_path / "no-such-model-b"))]
+    request.write_text(json.dumps(runs))
+    code = ("import os, sys\nimport specgate.engine as engine\ncode = engine.main(sys.argv[1:])\n"
+            "print('host', os.getpid(), code)")
+    out = subprocess.run([sys.executable, "-c", code, str(request), str(result)], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "0"
+    data = json.loads(result.read_text())
+    assert data["stopped"] is None and sorted(data["results"]) == ["a", "b"]
+    first, second = data["results"]["a"], data["results"]["b"]
+    assert "no-such-model-a" in first["error"]["message"] and "no-such-model-b" in second["error"]["message"]
+    assert first["import_s"] > 1.0 > second["import_s"]   # the host imported vLLM; the second child inherited it
+
+
+def test_a_child_killed_by_a_signal_ends_the_host_with_its_status(tmp_path, monkeypatch):
+    """run_engines then blames the engine the child was running (tests/ci covers that chain)."""
+    monkeypatch.setattr(engine, "generate", lambda *args: os.kill(os.getpid(), 9))   # an engine the OOM killer took
+    assert engine._fork_engines([_run("a", "x")], tmp_path / "result.json", {}, None) == 128 + 9
+    assert not (tmp_path / "result.json").exists()
