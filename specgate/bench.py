@@ -507,9 +507,10 @@ def e2e_upstream(runner: Runner, runs: int, compile_root: Path, warm: bool) -> l
     theirs: list[Sample] = []
     for index in range(runs + (0 if warm else 1)):
         label = f"e2e-upstream-{index + 1}" if warm or index else "e2e-upstream-warmup"
-        sample, summary = runner.session(label, "cpu_e2e", ["-R", *UPSTREAM_ARGS], env=env, ok_codes=(0,))
-        upstream = (summary or {}).get("upstream_e2e") or {}
-        if not sample.problem and not (summary or {}).get("pytest_wall_s"):
+        sample, found = runner.session(label, "cpu_e2e", ["-R", *UPSTREAM_ARGS], env=env, ok_codes=(0,))
+        summary = found or {}
+        upstream = summary.get("upstream_e2e") or {}
+        if not sample.problem and not summary.get("pytest_wall_s"):
             sample.problem = f"{label}: summary.json has no pytest_wall_s (log: artifacts/{sample.log})"
         if not sample.problem and not upstream.get("pytest_wall_s"):
             sample.problem = f"{label}: upstream's e2e file did not run: {upstream.get('error') or upstream}"
@@ -543,6 +544,7 @@ def tests_wall(runner: Runner) -> list[Figure]:
 CLASSIFY_LINES = 400_000
 # 87 characters: 400,000 of them make the 35 MB log the goal names.
 CLASSIFY_NOISE = "(EngineCore pid=4242) INFO 11-30 16:40:53 [core.py:402] Loading weights took 0.021 sec\n"
+CLASSIFY_SCRIPT = REPO_ROOT / "scripts" / "classify_failure.py"
 CLASSIFY_TAIL = REPO_ROOT / "tests" / "logs" / "cache-miss" / "hf_hub_download_offline.log"
 UPSTREAM_SCRIPT = ".buildkite/scripts/hardware_ci/run-cpu-test.sh"
 
@@ -564,9 +566,10 @@ def classify_speed(runner: Runner, runs: int) -> list[Figure]:
         log.write_text(CLASSIFY_NOISE * CLASSIFY_LINES + CLASSIFY_TAIL.read_text(encoding="utf-8"), encoding="utf-8")
         size_mb = round(log.stat().st_size / 1e6, 1)
         samples = interleaved(max(3, runs), {
-            "ours": lambda i: runner.run(f"classify-{i + 1}", [sys.executable, REPO_ROOT / "scripts" /
-                                                               "classify_failure.py", log], env=shell_env()),
-            "grep": lambda i: runner.run(f"classify-grep-{i + 1}", ["grep", "-qE", pattern, log], env=shell_env()),
+            "ours": lambda i: runner.run(f"classify-{i + 1}", [sys.executable, str(CLASSIFY_SCRIPT), str(log)],
+                                         env=shell_env()),
+            "grep": lambda i: runner.run(f"classify-grep-{i + 1}", ["grep", "-qE", pattern, str(log)],
+                                         env=shell_env()),
         })
     labels = {(runner.logs / Path(s.log).name).read_text().splitlines()[-1] for s in samples["ours"] if not s.problem}
     if labels != {"cache-miss"}:
@@ -595,8 +598,8 @@ def fresh_clone(runner: Runner) -> list[Figure]:
         clone = Path(tmp) / "clone"
         env = {**shell_env(), "CI": "true"}
         env.pop("SPECGATE_ARTIFACTS", None)   # the clone's sessions write into the clone, as in CI
-        steps = [runner.run("fresh-clone-git", ["git", "clone", "--quiet", "--no-hardlinks", REPO_ROOT, clone],
-                            env=env)]
+        clone_command = ["git", "clone", "--quiet", "--no-hardlinks", str(REPO_ROOT), str(clone)]
+        steps = [runner.run("fresh-clone-git", clone_command, env=env)]
         if not steps[0].problem:
             steps.append(runner.run("fresh-clone-ci", ["bash", ".ci/run"], env=env, cwd=clone))
         problem = first_problem(steps)

@@ -382,8 +382,9 @@ def main(argv: list[str]) -> int:
     result. A child that dies (not one whose engine failed: that is a result) ends the host
     with its status, and run_engines blames the engine it was running."""
     request_path, result_path = Path(argv[0]), Path(argv[1])
+    runs = json.loads(request_path.read_text(encoding="utf-8"))
     started = time.monotonic()
-    for module in HOST_IMPORTS:   # here, once: every child forked below inherits them
+    for module in HOST_IMPORTS if runs else ():   # here, once: every child forked below inherits them
         importlib.import_module(module)
     import_s = round(time.monotonic() - started, 2)
     mutant_fired = None
@@ -393,7 +394,6 @@ def main(argv: list[str]) -> int:
 
         catalogue.install(mutant)
         mutant_fired = catalogue.take_fired
-    runs = json.loads(request_path.read_text(encoding="utf-8"))
     results: dict[str, Any] = {}
     while pending := [r for r in runs if r["key"] not in results]:
         code = _fork_engines(pending, result_path, dict(results), mutant_fired)

@@ -1,4 +1,4 @@
-"""`nox -s tests`: the harness's own tests (no vLLM engine starts)."""
+"""`nox -s tests`: the harness's own tests, their files spread over parallel workers."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ def step(ctx: lifecycle.Context) -> int:
     junit = artifacts.artifacts_dir(SESSION) / "junit.xml"
     junit.unlink(missing_ok=True)
     started = time.monotonic()
-    code = pytestrun.run_pytest(["-rA", *ctx.args.pytest_args], junit, cwd=REPO_ROOT, env=pytestrun.child_env(),
-                                log=junit.with_name("pytest.log"))
+    # Test files run in parallel workers, each file whole in one worker (its module fixtures and
+    # its order stay as written); `-n 0` after `--` turns that off.
+    code = pytestrun.run_pytest(["-rA", "-n", "auto", "--dist", "loadfile", *ctx.args.pytest_args], junit,
+                                cwd=REPO_ROOT, env=pytestrun.child_env(), log=junit.with_name("pytest.log"))
     ctx.record["pytest_wall_s"] = round(time.monotonic() - started, 2)
     results = pytestrun.read_junit(junit) if junit.is_file() else []
     ctx.record["tests"] = [r.entry(cause=None if r.outcome == "passed" else "failure" if r.outcome in

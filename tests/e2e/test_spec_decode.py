@@ -36,7 +36,8 @@ def _generate(engines, plan, run: runs.Run, row: dict):
     if plan.settings.in_process_engine:  # the counters live in the engine core's process
         counters = result.data.get("compile_counters", {})
         assert engine.compiled_model(counters), (
-            f"engine [{run.key}]: vLLM's and inductor's compile counters saw no torch.compile of the model ({counters})")
+            f"engine [{run.key}]: vLLM's and inductor's compile counters saw no torch.compile of the model "
+            f"({counters})")
     return result
 
 
