@@ -29,6 +29,8 @@ SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this no
 INSTALL_STAMP = "specgate-install.json"
 # Set to the PyTorch CPU wheel index to get CPU builds of torchvision/torchaudio/torchcodec.
 TORCH_CPU_INDEX_VAR = "SPECGATE_TORCH_CPU_INDEX"
+# Bumped when what an install does changes, so every stamped venv is installed again.
+INSTALL_REVISION = "2: site-packages compiled to bytecode"
 
 
 def _install_key(session: nox.Session, constraints: Path) -> str:
@@ -36,6 +38,7 @@ def _install_key(session: nox.Session, constraints: Path) -> str:
     for path in (constraints, REPO_ROOT / "pyproject.toml"):
         digest.update(path.read_bytes())
     digest.update(os.environ.get(TORCH_CPU_INDEX_VAR, "").encode())
+    digest.update(INSTALL_REVISION.encode())
     digest.update(str(session.virtualenv.location).encode())
     return digest.hexdigest()
 
@@ -56,7 +59,19 @@ def install(session: nox.Session, manifest: Manifest) -> None:
     session.install("-r", str(constraints), env=env)
     session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
     fix_torch_companions(session, env)
+    compile_bytecode(session)
     stamp.write_text(json.dumps({"key": key}))
+
+
+def compile_bytecode(session: nox.Session) -> None:
+    """Compile the venv's site-packages once. uv installs no bytecode, and with
+    PYTHONDONTWRITEBYTECODE=1 (set on machines like ours) Python never writes any, so every
+    `import vllm` compiled vLLM, torch and transformers from source: 33 s instead of 12 s here.
+    compileall skips what is up to date; exit 1 only means some file does not compile on this
+    Python (test data some packages ship), which Python then compiles lazily if ever imported."""
+    site_packages = next(Path(session.virtualenv.location).glob("lib/python3*/site-packages"))
+    session.run_install("python", "-m", "compileall", "-q", "-j", "0", str(site_packages), silent=True,
+                        success_codes=[0, 1])
 
 
 def _uninstall(session: nox.Session, packages: list[str]) -> None:
