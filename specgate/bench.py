@@ -440,6 +440,9 @@ def timed_steps(runner: Runner, name: str, env: Mapping[str, str], commands: lis
                           "cache": "the installer's own cache as found on this machine"})
 
 
+BENCH_RUN = "bench_run"   # which of the bench's cpu_e2e runs a summary came from
+
+
 def e2e_cache(runner: Runner, compile_root: Path) -> tuple[list[Figure], list[dict]]:
     """Cold then warm fixture-mode cpu_e2e on a compile cache (compile_root) that starts empty.
     Only a passing run whose engines started is timed: a failing run skips work.
@@ -454,7 +457,7 @@ def e2e_cache(runner: Runner, compile_root: Path) -> tuple[list[Figure], list[di
         detail = {"command": "nox -R " + shlex.join(E2E_ARGS), "exit_code": sample.exit_code,
                   "compile_cache": "empty at start" if label == "cold" else "filled by the cold run"}
         if summary is not None:
-            summaries.append({"run": label, **summary})
+            summaries.append({**summary, BENCH_RUN: label})   # (a summary has a "run" of its own)
             detail |= {"counts": summary.get("counts"), "engines": len(summary.get("engines") or []),
                        "session_wall_s": summary.get("wall_s"), "pytest_wall_s": summary.get("pytest_wall_s")}
             if not sample.problem and not engine_starts(summary):
@@ -478,14 +481,14 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
         if summary is None:
             reason = sample.problem or "cpu_e2e wrote no summary"
             return [Figure.missing(n, "s", reason) for n in ("engine_start_s", "engine_start_warm_s")]
-        summaries = [{"run": "own", **summary}]
+        summaries = [{**summary, BENCH_RUN: "own"}]
     chosen = summaries[-1]
     starts = engine_starts(chosen)
     if not starts:
         reason = "cpu_e2e's summary.json records no engine start times"
         return [Figure.missing(n, "s", reason) for n in ("engine_start_s", "engine_start_warm_s")]
-    detail = {"from": f"cpu_e2e summary.json, engines[].init_s ({chosen['run']} run)",
-              "by_run": {s["run"]: engine_starts(s) for s in summaries},
+    detail = {"from": f"cpu_e2e summary.json, engines[].init_s ({chosen[BENCH_RUN]} run)",
+              "by_run": {s[BENCH_RUN]: engine_starts(s) for s in summaries},
               "compile": sorted({f"{c['mode']}/{c['backend']}" for e in chosen.get("engines") or []
                                  if (c := e.get("compilation"))})}
     value = round(median(starts), 2)

@@ -254,16 +254,19 @@ def test_bad_options_exit_2_with_one_line(argv):
 
 
 def test_engine_starts_come_from_the_e2e_summary():
-    summary = {"engines": [{"key": "a", "init_s": 31.5, "compilation": {"mode": "VLLM_COMPILE", "backend": "inductor"}},
+    # shaped like a real cpu_e2e summary.json, whose own "run" says which CI job wrote it
+    summary = {"run": {"build_id": None, "attempt": 1},
+               "engines": [{"key": "a", "init_s": 31.5, "compilation": {"mode": "VLLM_COMPILE", "backend": "inductor"}},
                            {"key": "b", "init_s": None, "error": "RuntimeError: boom"},
                            {"key": "c", "init_s": 22.0}]}
     assert bench.engine_starts(summary) == [31.5, 22.0]
     assert bench.engine_starts({"engines": []}) == [] and bench.engine_starts({}) == []
     runner = None  # summaries given: no session run is needed
-    figure, warm = bench.engine_start(runner, [{"run": "cold", "engines": []}, {"run": "warm", **summary}])
+    runs = [{**summary, "engines": [], bench.BENCH_RUN: "cold"}, {**summary, bench.BENCH_RUN: "warm"}]
+    figure, warm = bench.engine_start(runner, runs)
     assert (figure.value, figure.samples) == (26.75, [31.5, 22.0])
     assert (warm.name, warm.value) == ("engine_start_warm_s", 26.75)
     assert figure.detail["by_run"] == {"cold": [], "warm": [31.5, 22.0]}
-    assert figure.detail["compile"] == ["VLLM_COMPILE/inductor"]
-    empties = bench.engine_start(runner, [{"run": "warm", "engines": []}])
+    assert figure.detail["compile"] == ["VLLM_COMPILE/inductor"] and "(warm run)" in figure.detail["from"]
+    empties = bench.engine_start(runner, [{**summary, "engines": [], bench.BENCH_RUN: "warm"}])
     assert all(e.value is None and "no engine start times" in e.reason for e in empties) and len(empties) == 2
