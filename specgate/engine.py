@@ -22,6 +22,7 @@ starts an engine, so every child starts from a process no engine has touched.
 from __future__ import annotations
 
 import base64
+import functools
 import gc
 import importlib
 import importlib.util
@@ -34,7 +35,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from specgate import processes
 
@@ -157,6 +158,7 @@ def v2_runner_blocker() -> str | None:
     return f"{V2_NEEDS_TRITON} ({triton_cpu_gap()})"
 
 
+@functools.cache
 def model_import_error(architecture: str) -> str | None:
     """Import the model class vLLM's registry maps `architecture` to, as the engine will.
     None when it imports; else a line naming the module that failed and why."""
@@ -174,6 +176,16 @@ def model_import_error(architecture: str) -> str | None:
         missing = f"{exc.name} is not importable: " if getattr(exc, "name", None) else ""
         return (f"{missing}{type(exc).__name__}: {exc} (vLLM's model registry imports {module} "
                 f"for {architecture})")
+    return None
+
+
+def environment_block(models: list[list[str]]) -> str | None:
+    """Why this machine cannot load a run's checkpoints ([architecture, name] pairs): a model
+    class vLLM cannot import here (e.g. torchvision missing), or None."""
+    for architecture, name in models:
+        error = model_import_error(architecture)
+        if error:
+            return f"environment-blocked: {architecture} ({name}): {error}"
     return None
 
 
@@ -287,12 +299,13 @@ LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's 
                    "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
 
 
-def _generate_all(runs: list[dict[str, Any]], result_path: Path, results: dict[str, Any],
+def _generate_all(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
                   mutant_fired: Callable[[], int] | None = None) -> None:
-    """Engine child: engines one after another in this process, the result file (holding
-    `results`, those of earlier children, too) rewritten after each. Stops early (the host
-    forks a fresh child for the rest) after a failed engine, whose leftovers could spoil
+    """Engine child: engines one after another in this process, the result file (the host's
+    `answer`, with the results of earlier children) rewritten after each. Stops early (the
+    host forks a fresh child for the rest) after a failed engine, whose leftovers could spoil
     the next, or once llvmlite is loaded."""
+    results = answer["results"]
     stopped = None
     for index, run in enumerate(runs):
         if index and "llvmlite" in sys.modules:
@@ -304,14 +317,14 @@ def _generate_all(runs: list[dict[str, Any]], result_path: Path, results: dict[s
         gc.freeze()
         if mutant_fired is not None:   # how often the injected fault changed something in this engine
             results[run["key"]]["mutant_fired"] = mutant_fired()
-        _write_json(result_path, {"results": results, "stopped": None})
+        _write_json(result_path, {**answer, "stopped": None})
         if results[run["key"]]["error"]:
             stopped = "an engine failed"
             break
-    _write_json(result_path, {"results": results, "stopped": stopped})
+    _write_json(result_path, {**answer, "stopped": stopped})
 
 
-def _fork_engines(runs: list[dict[str, Any]], result_path: Path, results: dict[str, Any],
+def _fork_engines(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
                   mutant_fired: Callable[[], int] | None) -> int:
     """Host side: run `_generate_all` in a forked child and wait for it. Returns the child's
     exit status as a shell would (128 + signal when a signal ended it)."""
@@ -320,7 +333,7 @@ def _fork_engines(runs: list[dict[str, Any]], result_path: Path, results: dict[s
         code = 1
         try:
             processes.die_with_parent()
-            _generate_all(runs, result_path, results, mutant_fired)
+            _generate_all(runs, result_path, answer, mutant_fired)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -338,15 +351,26 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+class HostAnswer(NamedTuple):
+    """What the engine hosts of one run_engines call answered."""
+    results: dict[str, dict[str, Any]]   # run key -> generate's result, or {"error": None, "blocked": why}
+    v2_known: bool                       # whether a host got as far as v2_runner_blocker()
+    v2_blocker: str | None               # what it said
+
+
 def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
-                timeout_s: float) -> dict[str, dict[str, Any]]:
+                timeout_s: float) -> HostAnswer:
     """Run each {"key", "llm", "prompts", "sampling"} through `generate` in an engine host
-    (`python -m specgate.engine`), one engine at a time. Returns key -> result; a run that
-    got no result (its engine child or the host crashed or timed out) gets an error record,
-    and a fresh host takes the rest. A timeout (timeout_s per engine) ends the host and
-    everything it started."""
+    (`python -m specgate.engine`), one engine at a time. A run may also carry "models"
+    ([architecture, name] pairs: it does not start where environment_block names one) and
+    "only_v2" (it does not start when v2_runner_blocker says why not); such a run's result is
+    {"error": None, "blocked": why}. A run that got no result (its engine child or the host
+    crashed or timed out) gets an error record, and a fresh host takes the rest. A timeout
+    (timeout_s per engine) ends the host and everything it started. The caller so never
+    imports vLLM: the host answers what needs it."""
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
+    v2: dict[str, str | None] = {}
     pending = list(runs)
     while pending:
         attempt = len(list(workdir.glob("request-*.json")))
@@ -364,14 +388,15 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
             processes.end_process_tree(proc.pid)
             proc.wait()
             why = f"engine process timed out ({timeout_s:.0f} s per engine) and was killed"
-        done = json.loads(result_path.read_text(encoding="utf-8"))["results"] if result_path.is_file() else {}
-        results.update({key: {**result, "process": attempt} for key, result in done.items()})
+        answer = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"results": {}}
+        v2.update({k: v for k, v in answer.items() if k == "v2_blocker"})
+        results.update({key: {**result, "process": attempt} for key, result in answer["results"].items()})
         pending = [r for r in pending if r["key"] not in results]
         if pending and why:  # the engine a child was running when it died gets the blame
             results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
                                                     "traceback": "", "pickle": None}}
             pending = pending[1:]
-    return results
+    return HostAnswer(results, "v2_blocker" in v2, v2.get("v2_blocker"))
 
 
 # What `generate` and every engine start import (vLLM imports most of itself lazily).
@@ -380,15 +405,22 @@ HOST_IMPORTS = ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.in
 
 
 def main(argv: list[str]) -> int:
-    """The engine host: import vLLM once, then fork engine children until every run has a
+    """The engine host: import vLLM once, answer what only vLLM knows (which runs cannot
+    start here, and why), write that, then fork engine children until every run has a
     result. A child that dies (not one whose engine failed: that is a result) ends the host
     with its status, and run_engines blames the engine it was running."""
     request_path, result_path = Path(argv[0]), Path(argv[1])
     runs = json.loads(request_path.read_text(encoding="utf-8"))
     started = time.monotonic()
-    for module in HOST_IMPORTS if runs else ():   # here, once: every child forked below inherits them
+    for module in HOST_IMPORTS:   # here, once: every child forked below inherits them
         importlib.import_module(module)
-    gc.freeze()   # likewise for what the imports built; children also share these pages unwritten
+    v2_blocker = v2_runner_blocker()
+    blocked = {r["key"]: why for r in runs
+               if (why := environment_block(r.get("models", [])) or (r.get("only_v2") and v2_blocker))}
+    answer: dict[str, Any] = {"results": {key: {"error": None, "blocked": why} for key, why in blocked.items()},
+                              "v2_blocker": v2_blocker, "stopped": None}
+    _write_json(result_path, answer)   # a host that dies later still leaves this
+    gc.freeze()   # as after each engine (_generate_all); the children also share these pages unwritten
     import_s = round(time.monotonic() - started, 2)
     mutant_fired = None
     mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.mutants)
@@ -397,18 +429,19 @@ def main(argv: list[str]) -> int:
 
         catalogue.install(mutant)
         mutant_fired = catalogue.take_fired
-    results: dict[str, Any] = {}
-    while pending := [r for r in runs if r["key"] not in results]:
-        code = _fork_engines(pending, result_path, dict(results), mutant_fired)
+    first = True   # the first engine started carries the import the host paid for all
+    while pending := [r for r in runs if r["key"] not in answer["results"]]:
+        code = _fork_engines(pending, result_path, answer, mutant_fired)
         if code:
             return code
         done = json.loads(result_path.read_text(encoding="utf-8"))["results"]
-        if len(done) == len(results):   # a child that ran nothing would be forked forever
+        if len(done) == len(answer["results"]):   # a child that ran nothing would be forked forever
             raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
-        if not results:   # the first engine carries the import the host paid for all
+        if first:
             done[pending[0]["key"]]["import_s"] = round(done[pending[0]["key"]]["import_s"] + import_s, 2)
-        results = done
-    _write_json(result_path, {"results": results, "stopped": None})
+            first = False
+        answer["results"] = done
+    _write_json(result_path, {**answer, "stopped": None})
     return 0
 
 

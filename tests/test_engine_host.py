@@ -40,5 +40,25 @@ def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once
 def test_a_child_killed_by_a_signal_ends_the_host_with_its_status(tmp_path, monkeypatch):
     """run_engines then blames the engine the child was running (tests/ci covers that chain)."""
     monkeypatch.setattr(engine, "generate", lambda *args: os.kill(os.getpid(), 9))   # an engine the OOM killer took
-    assert engine._fork_engines([_run("a", "x")], tmp_path / "result.json", {}, None) == 128 + 9
+    assert engine._fork_engines([_run("a", "x")], tmp_path / "result.json", {"results": {}}, None) == 128 + 9
     assert not (tmp_path / "result.json").exists()
+
+
+def test_the_host_answers_what_only_vllm_knows_and_starts_no_engine_it_blocks(tmp_path):
+    """The pytest process never imports vLLM: the host says which runs cannot start here and
+    why (an architecture vLLM does not register; an "only_v2" run where the V2 runner is
+    blocked), and leaves those runs unstarted."""
+    unknown = {**_run("unknown", str(tmp_path / "never-loaded")), "models": [["NoSuchForCausalLM", "org/none"]]}
+    v2_only = {**_run("v2", str(tmp_path / "no-such-model-v2")), "only_v2": True}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    answer = engine.run_engines([unknown, v2_only], tmp_path / "host", env=env, timeout_s=300)
+    assert answer.v2_known
+    blocked = answer.results["unknown"]["blocked"]
+    assert blocked.startswith("environment-blocked: NoSuchForCausalLM (org/none): vLLM ")
+    assert blocked.endswith("registers no model class for NoSuchForCausalLM")
+    v2 = answer.results["v2"]
+    if answer.v2_blocker:   # here: no Triton CPU backend
+        assert v2 == {"error": None, "blocked": answer.v2_blocker, "process": 0}
+        assert answer.v2_blocker.startswith(engine.V2_NEEDS_TRITON)
+    else:                   # where V2 can run, the run starts (and fails on its missing model)
+        assert "no-such-model-v2" in v2["error"]["message"]

@@ -85,17 +85,9 @@ def process_order(runs: Iterable[Run], expected_to_fail: Set[str] = frozenset())
                                                   r.method != "none", r.key))
 
 
-def environment_block(run: Run) -> str | None:
-    """Why this machine cannot load the run's checkpoints (a model class vLLM cannot
-    import here, e.g. torchvision missing), or None. Imports vLLM."""
-    from specgate import engine
-
-    for model in (run.target, run.draft):
-        if model is not None and model.architecture:
-            error = engine.model_import_error(model.architecture)
-            if error:
-                return f"environment-blocked: {model.architecture} ({model.name}): {error}"
-    return None
+def models(run: Run) -> list[list[str]]:
+    """[architecture, name] of the run's checkpoints, for specgate.engine.environment_block."""
+    return [[m.architecture, m.name] for m in (run.target, run.draft) if m is not None and m.architecture]
 
 
 def speculative_config(run: Run) -> dict[str, Any] | None:

@@ -8,6 +8,8 @@ Tests that need the same engine share its results.
 
 Collection reads only the manifest (and the session's plan.json): no vLLM import,
 no fixture build, so `nox -s tests` collects this folder for free and deselects it.
+This process never imports vLLM: the engine host answers what needs it (which engines
+cannot start here, and why), in the same import its engines use.
 """
 
 from __future__ import annotations
@@ -134,20 +136,41 @@ class Engines:
     (specgate.engine.run_engines), in specgate.e2e.runs.process_order."""
 
     def __init__(self, settings: planning.Settings, recorder: report.Recorder, workdir: Path,
-                 pending: list[runs.Run], expected_to_fail: set[str]) -> None:
+                 pending: list[runs.Run], expected_to_fail: set[str], only_v2: set[str]) -> None:
         self.settings, self.recorder, self.workdir = settings, recorder, workdir
-        self.pending, self.expected_to_fail = pending, expected_to_fail
+        self.pending, self.expected_to_fail, self.only_v2 = pending, expected_to_fail, only_v2
         self.results: dict[str, Result | BaseException] = {}
+        self.blocked: dict[str, str] = {}   # run key -> why it cannot start here
+        self.answered = False   # whether an engine host has said what blocks the V2 runner
+        self._v2_blocker: str | None = None
 
     def result(self, run: runs.Run) -> Result:
-        if run.key not in self.results:
-            group = runs.process_order([*self.pending, run], self.expected_to_fail)
-            self.pending = []
-            self._generate(group)
+        self._ensure(run)
         outcome = self.results[run.key]
         if isinstance(outcome, BaseException):
             raise outcome  # every test that needs this engine reports its error
         return outcome
+
+    def blocked_reason(self, run: runs.Run) -> str | None:
+        """Why this machine cannot start the run's engine (a model class vLLM cannot import)."""
+        self._ensure(run)
+        return self.blocked.get(run.key)
+
+    def v2_blocker(self) -> str | None:
+        """Why vLLM picks the V1 runner here (specgate.engine.v2_runner_blocker), from the
+        engine host, which starts now for the pending engines if none has answered yet."""
+        if not self.answered and self.pending:
+            self._generate(self._take_pending())
+        return self._v2_blocker
+
+    def _ensure(self, run: runs.Run) -> None:
+        if run.key not in self.results and run.key not in self.blocked:
+            self._generate(self._take_pending(run))
+
+    def _take_pending(self, *also: runs.Run) -> list[runs.Run]:
+        group = runs.process_order([*self.pending, *also], self.expected_to_fail)
+        self.pending = []
+        return group
 
     def _generate(self, group: list[runs.Run]) -> None:
         requests, inputs = [], {}
@@ -156,12 +179,18 @@ class Engines:
             inputs[run.key] = (prompts, max_tokens)
             requests.append({"key": run.key, "llm": runs.llm_kwargs(run, self.settings), "prompts": prompts,
                              "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
-                                          "logprobs": self.settings.num_logprobs}})
+                                          "logprobs": self.settings.num_logprobs},
+                             "models": runs.models(run), "only_v2": run.key in self.only_v2})
         env = pytestrun.child_env(self.settings.child_env())
-        done = engine.run_engines(requests, self.workdir / f"group-{len(self.results)}", env=env,
-                                  timeout_s=self.settings.engine_timeout_s)
+        answer = engine.run_engines(requests, self.workdir / f"group-{len(self.results) + len(self.blocked)}",
+                                    env=env, timeout_s=self.settings.engine_timeout_s)
+        if not self.answered and answer.v2_known:
+            self.answered, self._v2_blocker = True, answer.v2_blocker
         for run in group:
-            data = done[run.key]
+            data = answer.results[run.key]
+            if data.get("blocked"):
+                self.blocked[run.key] = data["blocked"]
+                continue
             error = engine.relay(data["error"]) if data["error"] else None
             self.recorder.write("engine", key=run.key, **report.run_identity(run), runner=data.get("runner"),
                                 compilation=data.get("compilation"), compile_counters=data.get("compile_counters"),
@@ -173,34 +202,28 @@ class Engines:
             self.results[run.key] = error if error is not None else Result(run, *inputs[run.key], data)
 
 
-def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[runs.Run], set[str]]:
-    """The engines the selected tests will read, without those a test skips before
-    reading (V2 blocked, environment blocked); and the keys expected to fail."""
-    needed, expected_to_fail = [], set()
-    v2_blocked = engine.v2_runner_blocker()
+def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[runs.Run], set[str], set[str]]:
+    """The engines the selected tests will read; the keys expected to fail; and the keys only
+    V2 tests read (the engine host starts those only where nothing blocks the V2 runner)."""
+    needed, expected_to_fail, v2_keys, other_keys = [], set(), set(), set()
     for item in items:
         marker = item.get_closest_marker("configs")
         if marker is None:
             continue
         test, params = marker.args[0], item.callspec.params
         if test == "known_answer_baseline":
-            needed.append(runs.known_answer_baseline_run(plan.configs.values(), params["target_fixture"]))
-            continue
-        if test == "v2_smoke" and v2_blocked:
-            continue
-        found = runs.runs_for(test, plan.configs[params["config_id"]])
+            found = [runs.known_answer_baseline_run(plan.configs.values(), params["target_fixture"])]
+        else:
+            found = runs.runs_for(test, plan.configs[params["config_id"]])
         needed += found
+        (v2_keys if test == "v2_smoke" else other_keys).update(r.key for r in found)
         if test == "known_defect":
             expected_to_fail |= {r.key for r in found}
-    blocked: dict[str, bool] = {}
-    for run in needed:
-        if run.key not in blocked:
-            blocked[run.key] = runs.environment_block(run) is not None
-    return [r for r in needed if not blocked[r.key]], expected_to_fail
+    return needed, expected_to_fail, v2_keys - other_keys
 
 
 @pytest.fixture(scope="session")
 def engines(request: pytest.FixtureRequest, plan: Plan, recorder: report.Recorder,
             tmp_path_factory: pytest.TempPathFactory) -> Engines:
-    pending, expected_to_fail = _needed_runs(request.session.items, plan)
-    return Engines(plan.settings, recorder, tmp_path_factory.mktemp("engines"), pending, expected_to_fail)
+    needed, expected_to_fail, only_v2 = _needed_runs(request.session.items, plan)
+    return Engines(plan.settings, recorder, tmp_path_factory.mktemp("engines"), needed, expected_to_fail, only_v2)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 def _generate(engines, plan, run: runs.Run, row: dict):
     """The engine's results, after checking it compiled the way the session requires."""
-    blocked = runs.environment_block(run)
+    blocked = engines.blocked_reason(run)
     if blocked:
         pytest.skip(blocked)
     result = engines.result(run)
@@ -113,7 +113,7 @@ def test_v2_speculator_smoke(config_id, plan, engines, row):
     config = plan.configs[config_id]
     run = runs.spec_run(config)
     row.update(report.run_identity(run), runner="v2", threshold=config.threshold)
-    blocker = engine.v2_runner_blocker()
+    blocker = engines.v2_blocker()
     if blocker:
         pytest.skip(blocker)
     result = _generate(engines, plan, run, row)
@@ -214,7 +214,7 @@ def test_known_defect(config_id, plan, engines, row, request):
     defect = config.known_defect
     run = runs.spec_run(config)
     row.update(report.run_identity(run))
-    blocked = runs.environment_block(run)
+    blocked = engines.blocked_reason(run)
     if blocked:
         pytest.skip(blocked)
     reason = f"{defect['symptom']}: {defect['reason']}"
