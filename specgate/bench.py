@@ -53,7 +53,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, cli, compilecache, envpin, exitcodes, lifecycle, summary
+from specgate import artifacts, benchreport, cli, compilecache, envpin, exitcodes, lifecycle, summary
 from specgate.manifest import REPO_ROOT, Manifest
 
 SESSION = "bench"
@@ -639,46 +639,8 @@ def build_report(figures: list[Figure], *, selected: Sequence[str], args: Any, c
     }
 
 
-def _value(entry: dict) -> str:
-    if entry["value"] is None:
-        return "not measured"
-    return f"{entry['value']:.3f}" if entry["unit"] == "x" else f"{entry['value']:.2f} s"
-
-
-def to_markdown(report: dict[str, Any]) -> str:
-    m, v = report["machine"], report["versions"]
-    lines = [
-        f"# specgate bench, {report['date']}",
-        "",
-        f"Command: `{report['command']}`  ",
-        f"Machine: {m['cpu_model']}, {m['usable_cores']}/{m['cores']} cores, {m['memory_gib']} GiB, "
-        f"{m['arch']}, Linux {m['kernel']}  ",
-        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + "  ",
-        "Environment (besides each session's pins): " + ", ".join(
-            f"{k}={val}" for k, val in report["env"].items() if val is not None and k.startswith(("VLLM_", "TORCH"))),
-        "",
-        "| figure | value | samples | note |",
-        "|---|---|---|---|",
-    ]
-    for name, entry in report["figures"].items():
-        samples = ", ".join(f"{s:g}" for s in entry["samples"])
-        note = entry["reason"] or entry["detail"].get("note") or ""
-        lines.append(f"| {name} | {_value(entry)} | {samples} | {note} |")
-    lines += ["", "| goal | figure | limit | value | verdict |", "|---|---|---|---|---|"]
-    for goal in report["goals"]:
-        value = "" if goal["value"] is None else f"{goal['value']:g}"
-        verdict = goal["verdict"] + (f" ({goal['reason']})" if goal["reason"] else "")
-        lines.append(f"| {goal['goal']} | {goal['figure']} | {goal['limit']:g} | {value} | {verdict} |")
-    lines += ["", "Contention (1-min load average; other processes with torch loaded), "
-                  "at the start and end of each figure:", ""]
-    lines += [f"- {name}: " + "; ".join(f"{when} {snap['loadavg_1m']}, {snap['other_torch_processes']}"
-                                        for when, snap in snaps.items())
-              for name, snaps in report["load"].items()]
-    return "\n".join(lines) + "\n"
-
-
 def write_report(report: dict[str, Any], out: Path) -> str:
-    text = to_markdown(report)
+    text = benchreport.to_markdown(report)
     artifacts.write_json(out / "bench.json", report)
     artifacts.write_atomic(out / "bench.md", text)
     return text

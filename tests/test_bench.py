@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specgate import bench, summary
+from specgate import bench, benchreport, summary
 from specgate.manifest import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,6 +141,36 @@ def test_report_json_and_markdown(tmp_path):
     assert "- warm_noop: start 0.5, 0; end 1.5, 2" in text
     assert "Environment (besides each session's pins): VLLM_USE_AOT_COMPILE=0\n" in text
     assert data["env"] == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_CI_ENV": None, "HF_TOKEN": "***"}
+
+
+def test_the_readme_table_is_regenerated_from_the_report_and_nothing_else_changes():
+    figures = [bench.Figure("e2e_warm_s", "s", 77.5, [77.5]),
+               bench.Figure("e2e_vs_upstream_ratio", "x", 0.9, [0.8, 0.9, 1.1]),
+               bench.Figure("fresh_clone_ci_s", "s", 900.0, [0.1, 899.9], detail={"commit": "0123456789abcdef"})]
+    block = benchreport.readme_block(_report(figures))
+    old = f"intro\n{benchreport.README_BEGIN}\n| stale | table |\n{benchreport.README_END}\noutro\n"
+    new = benchreport.splice_readme(old, block)
+    assert new == f"intro\n{benchreport.README_BEGIN}\n{block}{benchreport.README_END}\noutro\n"
+    assert benchreport.splice_readme(new, block) == new
+    assert ("| fixture-mode cpu_e2e takes at most 90 s with a warm compile cache | `e2e_warm_s` | 77.50 s (77.5) "
+            "| 90 | met |") in block
+    assert "| `e2e_vs_upstream_ratio` | 0.900 (0.8, 0.9, 1.1) | 1 | met |" in block
+    assert "| `tests_pytest_s` | not measured | 60 | not measured (not selected (--only)) |" in block
+    assert "`fresh_clone` ran commit `0123456789`." in block
+    with pytest.raises(ValueError, match="no '<!-- bench table"):
+        benchreport.splice_readme("a README without the block\n", block)
+
+
+def test_the_repo_readme_has_the_block_and_bad_input_exits_2_writing_nothing(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    assert readme.index(benchreport.README_BEGIN) < readme.index(benchreport.README_END)
+    broken = tmp_path / "bench.json"
+    broken.write_text("{not json")
+    for argv in ([str(tmp_path / "missing.json")], [str(broken)], ["--what"]):
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_readme.py"), *argv],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and not out.stdout, out
+    assert (REPO / "README.md").read_text() == readme
 
 
 def test_report_scrubs_secrets(tmp_path, monkeypatch):
