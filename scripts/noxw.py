@@ -37,4 +37,8 @@ if __name__ == "__main__":
         sys.exit("error: Python >= 3.11 is required")
     nox = ensure_venv()
     os.chdir(ROOT)
+    # nox finds this uv as its own; a session that imports nox as a library (the bench's
+    # version record and uv timing) finds it only through $UV, nox's documented override.
+    if (VENV / "bin" / "uv").is_file():
+        os.environ.setdefault("UV", str(VENV / "bin" / "uv"))
     os.execv(nox, [str(nox), *sys.argv[1:]])
