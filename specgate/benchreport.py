@@ -68,8 +68,10 @@ def to_markdown(report: dict[str, Any]) -> str:
 def readme_block(report: dict[str, Any]) -> str:
     """The README's performance table: which run, on what, and every goal's verdict."""
     commit = report["figures"].get("fresh_clone_ci_s", {}).get("detail", {}).get("commit")
+    load = "; ".join(f"{name} {snaps['start']['loadavg_1m']}" for name, snaps in report["load"].items())
     lines = [f"`{report['command']}`, {report['date']}; {_machine(report)}; {_versions(report)}."
-             + (f" `fresh_clone` ran commit `{commit[:10]}`." if commit else ""), "", *goals_table(report)]
+             + (f" `fresh_clone` ran commit `{commit[:10]}`." if commit else "")
+             + (f" 1-minute load at the start of each figure: {load}." if load else ""), "", *goals_table(report)]
     return "\n".join(lines) + "\n"
 
 

@@ -156,7 +156,7 @@ def test_the_readme_table_is_regenerated_from_the_report_and_nothing_else_change
             "| 90 | met |") in block
     assert "| `e2e_vs_upstream_ratio` | 0.900 (0.8, 0.9, 1.1) | 1 | met |" in block
     assert "| `tests_pytest_s` | not measured | 60 | not measured (not selected (--only)) |" in block
-    assert "`fresh_clone` ran commit `0123456789`." in block
+    assert "`fresh_clone` ran commit `0123456789`. 1-minute load at the start of each figure: warm_noop 0.5." in block
     with pytest.raises(ValueError, match="no '<!-- bench table"):
         benchreport.splice_readme("a README without the block\n", block)
 
