@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the README's performance table from a bench report.
 
-Usage: python3 scripts/bench_readme.py [BENCH_JSON]   (default: artifacts/bench/bench.json)
+Usage: python3 scripts/bench_readme.py [BENCH_JSON]   (default: the bench's own, artifacts/bench/bench.json)
 
 Rewrites only the block between specgate.benchreport's README markers, atomically. Exit 0
 when written; exit 2 with one line when the report or the README's block cannot be read.
@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1 or (argv and argv[0].startswith("-")):
         print("usage: bench_readme.py [BENCH_JSON]", file=sys.stderr)
         return 2
-    source = Path(argv[0]) if argv else REPO / "artifacts" / "bench" / "bench.json"
+    source = Path(argv[0]) if argv else artifacts.artifacts_dir("bench") / "bench.json"   # where the bench wrote it
     readme = REPO / "README.md"
     try:
         block = benchreport.readme_block(json.loads(source.read_text(encoding="utf-8")))

@@ -370,7 +370,7 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
     imports vLLM: the host answers what needs it."""
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
-    v2: dict[str, str | None] = {}
+    v2_known, v2_blocker = False, None
     pending = list(runs)
     while pending:
         attempt = len(list(workdir.glob("request-*.json")))
@@ -389,14 +389,15 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
             proc.wait()
             why = f"engine process timed out ({timeout_s:.0f} s per engine) and was killed"
         answer = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"results": {}}
-        v2.update({k: v for k, v in answer.items() if k == "v2_blocker"})
+        if "v2_blocker" in answer:
+            v2_known, v2_blocker = True, answer["v2_blocker"]
         results.update({key: {**result, "process": attempt} for key, result in answer["results"].items()})
         pending = [r for r in pending if r["key"] not in results]
         if pending and why:  # the engine a child was running when it died gets the blame
             results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
                                                     "traceback": "", "pickle": None}}
             pending = pending[1:]
-    return HostAnswer(results, "v2_blocker" in v2, v2.get("v2_blocker"))
+    return HostAnswer(results, v2_known, v2_blocker)
 
 
 # What `generate` and every engine start import (vLLM imports most of itself lazily).
