@@ -16,7 +16,9 @@ vLLM 0.32's CPU worker scans every loaded module when it starts
 numba, llvmlite's lazy library wrapper answers `__dict__` with a function wrapper, so
 any later engine in that process fails with "AttributeError: '_lib_fn_wrapper' object
 has no attribute 'get'". The caller orders ngram engines last. The host itself never
-starts an engine, so every child starts from a process no engine has touched.
+starts an engine, so every child starts from a process no engine has touched; while a
+child runs, a thread of the host has vLLM inspect the model classes of the later engines
+(`inspect_in_background`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -177,6 +180,52 @@ def model_import_error(architecture: str) -> str | None:
         return (f"{missing}{type(exc).__name__}: {exc} (vLLM's model registry imports {module} "
                 f"for {architecture})")
     return None
+
+
+def draft_architecture(llm_kwargs: dict[str, Any]) -> str | None:
+    """The architecture vLLM gives a run's draft: its checkpoint's config (the target's when
+    the speculative config names none, as for MTP) under SpeculativeConfig.hf_config_override,
+    which renames e.g. MiMoForCausalLM to MiMoMTPModel. None without a speculative config or
+    where the config does not load (the engine then reports why)."""
+    spec = llm_kwargs.get("speculative_config")
+    if not spec:
+        return None
+    get_config = vllm_global("vllm.transformers_utils.config", "get_config")
+    override = vllm_global("vllm.config.speculative", "SpeculativeConfig").hf_config_override
+    try:
+        config = get_config(spec.get("model") or llm_kwargs["model"], trust_remote_code=False)
+        return override(config).architectures[0]
+    except Exception:   # see the docstring
+        return None
+
+
+def inspect_in_background(architectures: list[str]) -> threading.Thread:
+    """Have vLLM's registry inspect each architecture's model class in a thread of the host.
+    vLLM inspects a class in a fresh Python process, which imports vLLM (10 to 13 s here),
+    and caches the answer under VLLM_CACHE_ROOT/modelinfos, where an engine that starts
+    later finds it. Asked while the engine child compiles on one core (vLLM sets
+    TORCHINDUCTOR_COMPILE_THREADS=1), that wait runs on the other. An engine that gets
+    there first inspects for itself; an inspection that fails here fails again, and is
+    reported, in the engine that needs it."""
+    registry = vllm_global("vllm.model_executor.models", "ModelRegistry")
+    try:   # vLLM registers an architecture, or the engine reports that it does not
+        inspections = [registry.models[a].inspect_model_cls for a in architectures if a in registry.models]
+    except AttributeError as exc:
+        raise _moved("vllm.model_executor.models.ModelRegistry.models[...].inspect_model_cls", exc) from exc
+    # What vLLM's inspection imports, imported here: a module the thread is halfway through
+    # importing when the host forks would be half-initialized in the engine child.
+    importlib.import_module("cloudpickle")
+
+    def inspect_all() -> None:
+        for inspect in inspections:
+            try:
+                inspect()
+            except RuntimeError:   # vLLM's word for a failed inspection process: see the docstring
+                continue
+
+    thread = threading.Thread(target=inspect_all, name="specgate-model-inspection", daemon=True)
+    thread.start()
+    return thread
 
 
 def environment_block(models: list[list[str]]) -> str | None:
@@ -400,6 +449,26 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
     return HostAnswer(results, v2_known, v2_blocker)
 
 
+def _fork_until_done(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any], import_s: float,
+                     mutant_fired: Callable[[], int] | None) -> int:
+    """Host side: fork engine children until every run has a result; the first engine
+    started carries the import the host paid for all. Returns 0, or a dead child's status."""
+    first = True
+    while pending := [r for r in runs if r["key"] not in answer["results"]]:
+        code = _fork_engines(pending, result_path, answer, mutant_fired)
+        if code:
+            return code
+        done = json.loads(result_path.read_text(encoding="utf-8"))["results"]
+        if len(done) == len(answer["results"]):   # a child that ran nothing would be forked forever
+            raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
+        if first:
+            done[pending[0]["key"]]["import_s"] = round(done[pending[0]["key"]]["import_s"] + import_s, 2)
+            first = False
+        answer["results"] = done
+    _write_json(result_path, {**answer, "stopped": None})
+    return 0
+
+
 # What `generate` and every engine start import (vLLM imports most of itself lazily).
 HOST_IMPORTS = ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.inputs", "vllm.v1.worker.cpu_worker",
                 "vllm.v1.worker.cpu_model_runner")
@@ -421,6 +490,11 @@ def main(argv: list[str]) -> int:
     answer: dict[str, Any] = {"results": {key: {"error": None, "blocked": why} for key, why in blocked.items()},
                               "v2_blocker": v2_blocker, "stopped": None}
     _write_json(result_path, answer)   # a host that dies later still leaves this
+    pending = [r for r in runs if r["key"] not in answer["results"]]
+    architectures = [[a for a, _ in r.get("models", [])] + [draft_architecture(r["llm"])] for r in pending]
+    # The first engine inspects its own classes at once; the thread answers for the later ones.
+    later = [a for names in architectures[1:] for a in names if a and a not in architectures[0]]
+    inspection = inspect_in_background(list(dict.fromkeys(later)))
     gc.freeze()   # as after each engine (_generate_all); the children also share these pages unwritten
     import_s = round(time.monotonic() - started, 2)
     mutant_fired = None
@@ -430,20 +504,10 @@ def main(argv: list[str]) -> int:
 
         catalogue.install(mutant)
         mutant_fired = catalogue.take_fired
-    first = True   # the first engine started carries the import the host paid for all
-    while pending := [r for r in runs if r["key"] not in answer["results"]]:
-        code = _fork_engines(pending, result_path, answer, mutant_fired)
-        if code:
-            return code
-        done = json.loads(result_path.read_text(encoding="utf-8"))["results"]
-        if len(done) == len(answer["results"]):   # a child that ran nothing would be forked forever
-            raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
-        if first:
-            done[pending[0]["key"]]["import_s"] = round(done[pending[0]["key"]]["import_s"] + import_s, 2)
-            first = False
-        answer["results"] = done
-    _write_json(result_path, {**answer, "stopped": None})
-    return 0
+    try:
+        return _fork_until_done(runs, result_path, answer, import_s, mutant_fired)
+    finally:
+        inspection.join()   # its vLLM subprocess must not outlive the host
 
 
 if __name__ == "__main__":

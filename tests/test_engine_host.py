@@ -62,3 +62,27 @@ def test_the_host_answers_what_only_vllm_knows_and_starts_no_engine_it_blocks(tm
         assert answer.v2_blocker.startswith(engine.V2_NEEDS_TRITON)
     else:                   # where V2 can run, the run starts (and fails on its missing model)
         assert "no-such-model-v2" in v2["error"]["message"]
+
+
+def test_the_host_has_vllm_inspect_later_engines_models_while_the_first_runs(tmp_path):
+    """vLLM inspects a model class in a fresh process (10 to 13 s here) and caches the answer
+    under VLLM_CACHE_ROOT/modelinfos. The host asks for the later runs' classes in the
+    background, the MTP draft under the name vLLM gives it, and leaves the first run's
+    classes to its own engine. Both engines here fail before vLLM looks at a model class,
+    so only the host's thread can have asked."""
+    from specgate.fixtures import _mimo_config
+
+    mimo = tmp_path / "mimo"
+    _mimo_config().save_pretrained(mimo)
+    first = {**_run("first", str(tmp_path / "no-such-model")), "models": [["Qwen3ForCausalLM", "org/first"]]}
+    mtp = {**_run("mtp", str(mimo)), "models": [["MiMoForCausalLM", "org/mimo"]]}
+    mtp["llm"] |= {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+                   "no_such_engine_argument": 1}   # LLM(...) rejects it before building any config
+    cache = tmp_path / "vllm-cache"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(cache)}
+    answer = engine.run_engines([first, mtp], tmp_path / "host", env=env, timeout_s=300)
+    assert "no-such-model" in answer.results["first"]["error"]["message"]
+    assert "no_such_engine_argument" in answer.results["mtp"]["error"]["message"]
+    inspected = sorted(path.name for path in (cache / "modelinfos").iterdir())
+    assert inspected == ["vllm-model_executor-models-mimo-MiMoForCausalLM.json",
+                         "vllm-model_executor-models-mimo_mtp-MiMoMTP.json"]
