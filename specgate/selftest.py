@@ -16,7 +16,7 @@ def step(ctx: lifecycle.Context) -> int:
     started = time.monotonic()
     # Test files run in parallel workers, each file whole in one worker (its module fixtures and
     # its order stay as written); `-n 0` after `--` turns that off. Files go out in collection
-    # order, so tests/ci (few tests, about 8 of the suite's 14 minutes of test time) starts
+    # order, so tests/ci (few tests, more than half of the suite's test time) starts
     # first: xdist's default order, most tests first, started it last.
     code = pytestrun.run_pytest(["-rA", "-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder",
                                  *ctx.args.pytest_args], junit,
