@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specgate import build  # noqa: E402
 from specgate import summary as contract  # noqa: E402
 
 SESSIONS = ("cpu_unit", "cpu_e2e")
@@ -176,7 +177,7 @@ def annotation(session: str, root: Path | None = None, step_exit: int | None = N
         where = f"job {found}" if found else "a run outside Buildkite"
         return "error", f"{title(session)}: no summary from this job (found one from {where})"
     code = summary.get("exit_code") if step_exit is None else step_exit  # the step's status is what Buildkite sees
-    versions = f"vLLM {summary.get('vllm_version') or 'unknown'}" + (f", exit {code}" if code is not None else "")
+    versions = build.describe(summary.get("vllm")) + (f", exit {code}" if code is not None else "")
     markdown = f"{title(session)}: {headline(summary, step_exit in TIMEOUTS)} ({versions})"
     markdown += chart(session, path.parent)
     if summary["tests"] or summary["status"] == "finished":  # what ran before a kill is still worth showing

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from specgate import envpin
+from specgate.build import OPTION as BUILD_OPTION
+from specgate.build import VAR as BUILD_VAR
 from specgate.manifest import Manifest, ManifestError, load
 
 MODEL_SOURCES = ("auto", "hub", "fixture")
@@ -39,8 +41,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def parser(prog: str, description: str, *, shards: bool = False, model_source: bool = False,
-           pytest: bool = True) -> Parser:
+           pytest: bool = True, build: bool = False) -> Parser:
     p = Parser(prog=f"nox -s {prog} --", description=description, takes_pytest_args=pytest)
+    if build:   # resolved and installed by noxsupport before the session starts; named here for --help
+        p.add_argument(BUILD_OPTION, metavar="BUILD", default=None,
+                       help="the vLLM under test: pinned (default), a wheel (file, folder or glob), or "
+                            f"installed[:PYTHON]; default ${BUILD_VAR} or pinned")
     if model_source:
         p.add_argument("--model-source", choices=MODEL_SOURCES, default=None,
                        help="auto (cached hub checkpoint, else fixture), hub, or fixture; "

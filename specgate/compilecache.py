@@ -28,6 +28,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from specgate import build
 from specgate.artifacts import write_json
 from specgate.paths import cache_root
 
@@ -69,6 +70,7 @@ def factors(cpu: dict[str, str] | None = None) -> dict[str, str]:
     flags = sorted((cpu.get("flags") or cpu.get("Features") or "").split())
     return {
         "vllm": _distribution_version(*VLLM_DISTRIBUTIONS),
+        "vllm_build": build.from_environ().get("id") or "unknown",   # two builds of one version differ
         "torch": _distribution_version("torch"),
         "python": f"{platform.python_implementation()}-{platform.python_version()}",
         "machine": platform.machine(),

