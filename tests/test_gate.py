@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from histories import NGRAM, VERSION, build, clean_history, entry, job, passing, write_history
+from histories import NGRAM, VERSION, build, clean_history, entry, job, passing, vllm_build, write_history
 
 from specgate import gate, manifest, pytestrun, summary
 
@@ -126,12 +126,15 @@ def test_a_lost_file_blocks(tmp_path, capsys, artifacts_root):
         f"build 6 (2026-11-07T06:00:00+00:00) not clean: below the coverage floor (passed/floor): {NGRAM} 0/2"]
 
 
-def test_a_vllm_version_without_floors_is_not_clean(tmp_path, capsys, artifacts_root):
+def test_a_vllm_version_without_floors_is_not_judged_and_does_not_graduate(tmp_path, capsys, artifacts_root):
     code, _ = run_gate(tmp_path, capsys, clean_history() + build(6, steps=("cpu_unit",), version="0.33.0"))
     assert code == 1
     [blocker] = blockers(artifacts_root, "cpu_unit")
-    assert blocker.endswith('not clean: no coverage floor declared for vLLM 0.33.0 '
-                            '(manifest [gate.coverage."0.33.0".cpu_unit])')
+    assert blocker == ('build 6 not judged: no floors recorded for vLLM 0.33.0 '
+                       '(manifest [gate.coverage."0.33.0".cpu_unit]; record them with nox -s gate -- --record)')
+    [unit] = [s for s in json.loads((artifacts_root / "gate" / "summary.json").read_text())["steps"]
+              if s["step"] == "cpu_unit"]
+    assert unit["window"][0]["mark"] == "not judged" and unit["window"][0]["clean"] is True
 
 
 def test_a_test_that_passed_only_after_a_rerun_in_the_session_is_a_flake(tmp_path, capsys, artifacts_root):
@@ -173,7 +176,21 @@ def test_the_same_test_passing_and_failing_on_one_version_is_a_flake(tmp_path, c
              for t in passing("cpu_unit")]
     code, _ = run_gate(tmp_path, capsys, clean_history() + [job("cpu_unit", 6, exit_code=75, tests=tests)])
     assert code == 1
-    assert f"flaky: {nodeid} both passed and failed on vLLM 0.32.0" in blockers(artifacts_root, "cpu_unit")
+    found = blockers(artifacts_root, "cpu_unit")
+    assert f"flaky: {nodeid} both passed and failed on vLLM 0.32.0 (build {vllm_build('0.32.0')['id']})" in found
+
+
+def test_two_builds_sharing_a_version_string_are_two_builds_not_a_flake(tmp_path, capsys, artifacts_root):
+    """A PR's changed vLLM that still says 0.32.0 fails a test the release passes: that is the
+    change's failure, never a flake of the release (which the version string alone made it)."""
+    nodeid = f"{NGRAM}::test_0"
+    tests = [t if t["nodeid"] != nodeid else entry(nodeid, "failed", "failure", "AssertionError")
+             for t in passing("cpu_unit")]
+    changed = vllm_build("0.32.0", sha256="f" * 64)
+    code, _ = run_gate(tmp_path, capsys, clean_history() + [job("cpu_unit", 6, exit_code=1, tests=tests,
+                                                                 vllm=changed)])
+    assert code == 1
+    assert not [b for b in blockers(artifacts_root, "cpu_unit") if b.startswith("flaky")]
 
 
 def test_passing_and_failing_on_different_versions_is_not_a_flake(tmp_path, capsys, artifacts_root):
