@@ -14,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from pipelines import commands, glob_regex, interpolated, validate_for_buildkite
 
 from specgate import summary as contract
 
@@ -29,16 +30,6 @@ def steps() -> list[dict]:
     data = yaml.safe_load(PIPELINE.read_text())
     assert isinstance(data, dict) and isinstance(data.get("steps"), list)
     return data["steps"]
-
-
-def commands(step: dict) -> list[str]:
-    text = step.get("command") or "\n".join(step.get("commands", []))
-    return [line for line in text.splitlines() if line.strip()]
-
-
-def interpolated(line: str) -> str:
-    """What Buildkite's upload-time interpolation leaves for the agent's shell."""
-    return line.replace("$$", "$")
 
 
 def test_steps_and_dependencies(steps):
@@ -131,29 +122,15 @@ def test_sharded_steps_pass_the_shard_options(steps):
 
 
 def test_the_pipeline_is_valid_for_buildkite(tmp_path):
-    """check-jsonschema's bundled copy of Buildkite's published schema (no download: any
-    request would go to a proxy that refuses). It rejects a key Buildkite does not know,
-    such as vLLM's own source_file_dependencies."""
-    offline = {**os.environ, "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
-
-    def validate(path: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.buildkite",
-                               str(path)], capture_output=True, text=True, env=offline, timeout=120)
-
-    proc = validate(PIPELINE)
+    """Buildkite's published schema (pipelines.validate_for_buildkite) rejects a key Buildkite
+    does not know, such as vLLM's own source_file_dependencies."""
+    proc = validate_for_buildkite(PIPELINE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok -- validation done" in proc.stdout
     vllm_style = tmp_path / "pipeline.yml"
     vllm_style.write_text(PIPELINE.read_text().replace("if_changed:", "source_file_dependencies:"))
-    proc = validate(vllm_style)
+    proc = validate_for_buildkite(vllm_style)
     assert proc.returncode == 1 and "Schema validation errors" in proc.stdout
-
-
-def _glob_regex(pattern: str) -> re.Pattern:
-    """Buildkite's glob syntax: * and ? stop at /, ** does not; the whole path must match."""
-    parts = re.split(r"(\*\*|\*|\?)", pattern)
-    special = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
-    return re.compile("".join(special.get(part, re.escape(part)) for part in parts))
 
 
 def test_if_changed_names_what_each_step_runs(steps):
@@ -166,7 +143,7 @@ def test_if_changed_names_what_each_step_runs(steps):
         globs = step["if_changed"]
         assert {"specgate/**", "manifest.toml", "constraints/**", "noxfile.py"} <= set(globs)
         for glob in globs:
-            assert any(_glob_regex(glob).fullmatch(f) for f in files), f"{step['key']}: {glob} matches no file"
+            assert any(glob_regex(glob).fullmatch(f) for f in files), f"{step['key']}: {glob} matches no file"
     assert "tests/e2e/**" in by_key["cpu_e2e"]["if_changed"]
     for step in steps:  # a step never runs while the step it depends on was skipped
         if "depends_on" in step:
@@ -207,6 +184,15 @@ UNIT_TESTS = [
 ]
 
 
+# A PR's wheel: the annotation names the build by its file, id and commit, not by its version alone.
+PR_BUILD = {"id": "1f2e3d4c5b6a7980", "source": "wheel", "distribution": "vllm",
+            "version": "0.32.1.dev12+g0a1b2c3d",
+            "file": "/agent/dist/vllm-0.32.1.dev12+g0a1b2c3d-cp38-abi3-linux_x86_64.whl",
+            "sha256": "1f2e3d4c5b6a7980" * 4, "commit": "0a1b2c3d", "location": None}
+NAMED = ("vLLM 0.32.1.dev12+g0a1b2c3d (vllm-0.32.1.dev12+g0a1b2c3d-cp38-abi3-linux_x86_64.whl, id 1f2e3d4c5b6a7980, "
+         "commit 0a1b2c3d)")
+
+
 @pytest.fixture
 def write_summary(tmp_path, monkeypatch):
     """Write artifacts/<session>/summary.json through specgate.summary, as a session does,
@@ -217,7 +203,7 @@ def write_summary(tmp_path, monkeypatch):
     def write(session: str, tests: list[dict], code: int | None, *, status: str = "finished",
               error: str | None = None, environ: dict | None = None) -> Path:
         record = contract.begin(session, environ=environ or {})
-        record.update(tests=tests, vllm_version="0.32.0")
+        record.update(tests=tests, vllm=PR_BUILD, vllm_version=PR_BUILD["version"])
         if status == "running":  # the session never got to finish its record
             path = contract.write(record)
         else:
@@ -255,7 +241,7 @@ def test_annotate_renders_the_acceptance_and_causes_tables(write_summary):
     proc = _annotate("--artifacts", str(root))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "#### cpu_e2e: 1 failed, 1 passed, 1 skipped (vLLM 0.32.0, exit 1)" in out
+    assert f"#### cpu_e2e: 1 failed, 1 passed, 1 skipped ({NAMED}, exit 1)" in out
     assert "| test | method | model source | runner | outcome | acceptance len | threshold | matches baseline |" in out
     assert ("| tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3] | ngram | hub | v1 | failed | 1.310 "
             "| 2.000 | no |") in out
@@ -263,7 +249,7 @@ def test_annotate_renders_the_acceptance_and_causes_tables(write_summary):
             "| – |") in out
     assert ("- tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] (skipped, env-blocked): torchvision is not "
             "importable") in out
-    assert "#### cpu_unit: 1 failed, 1 passed (vLLM 0.32.0, exit 75)" in out
+    assert f"#### cpu_unit: 1 failed, 1 passed ({NAMED}, exit 75)" in out
     assert ("| tests/v1/spec_decode/test_dflash2.py::test_fused[a\\|b] | failed | env-blocked | Triton CPU "
             "backend missing (a Triton kernel was launched) |") in out
     assert "test_ngram_proposer" not in out  # passes are counted, not listed
@@ -299,13 +285,13 @@ def test_annotate_never_shows_another_jobs_summary(write_summary, tmp_path):
     assert markdown == "#### cpu_e2e: no summary from this job (found one from job 0190-job-old)"
     # Outside Buildkite there is no job to compare with: the summary is shown.
     proc = _annotate("--artifacts", str(root), "cpu_e2e")
-    assert "#### cpu_e2e: 1 passed (vLLM 0.32.0, exit 0)" in proc.stdout
+    assert f"#### cpu_e2e: 1 passed ({NAMED}, exit 0)" in proc.stdout
 
 
 @pytest.mark.parametrize("step_exit,said", [
-    (None, "#### cpu_e2e: did not finish: its summary still says running (vLLM 0.32.0)"),
-    ("124", "#### cpu_e2e: timed out; did not finish: its summary still says running (vLLM 0.32.0, exit 124)"),
-    ("137", "#### cpu_e2e: timed out; did not finish: its summary still says running (vLLM 0.32.0, exit 137)"),
+    (None, f"#### cpu_e2e: did not finish: its summary still says running ({NAMED})"),
+    ("124", f"#### cpu_e2e: timed out; did not finish: its summary still says running ({NAMED}, exit 124)"),
+    ("137", f"#### cpu_e2e: timed out; did not finish: its summary still says running ({NAMED}, exit 137)"),
 ])
 def test_annotate_says_a_run_did_not_finish(write_summary, tmp_path, step_exit, said):
     root = write_summary("cpu_e2e", [], None, status="running", environ=ON_BUILDKITE)
@@ -321,11 +307,11 @@ def test_annotate_says_killed_or_crashed_with_the_error(write_summary):
                          environ=ON_BUILDKITE)
     proc = _annotate("--artifacts", str(root), "--step-exit", "124", "cpu_e2e", env=ON_BUILDKITE)
     assert proc.stdout.startswith("#### cpu_e2e: timed out; killed: SIGTERM: the step timed out "
-                                  "(vLLM 0.32.0, exit 124)")
+                                  f"({NAMED}, exit 124)")
     assert "test_acceptance[eagle3-tiny-qwen3]" in proc.stdout  # what ran before the kill
     root = write_summary("cpu_unit", [], 1, status="crashed", error="ManifestError: manifest.toml: missing")
     proc = _annotate("--artifacts", str(root), "--step-exit", "1", "cpu_unit")
-    assert proc.stdout.strip() == "#### cpu_unit: crashed: ManifestError: manifest.toml: missing (vLLM 0.32.0, exit 1)"
+    assert proc.stdout.strip() == f"#### cpu_unit: crashed: ManifestError: manifest.toml: missing ({NAMED}, exit 1)"
 
 
 def test_annotate_reports_a_missing_summary(tmp_path):
