@@ -348,12 +348,14 @@ def step(ctx: lifecycle.Context) -> int:
     record.update({"upstream": None, "files": [], "files_run": [], "files_source": None, "drift": None, "notes": [],
                    "redirects": [], "runs": []})
     try:
-        version = upstream.installed_version()
-        root = upstream.tree(version, args.vllm_source_dir)
+        root, fallback = upstream.build_tree(args.vllm_source_dir)
         record["upstream"] = upstream.describe(root)
-        print(f"vLLM {version}: upstream tests at {root}")
+        print(f"vLLM {upstream.installed_version()}: upstream tests at {root}")
+        if fallback:
+            print(f"drift: {fallback}", flush=True)
         selected = select_files(root, manifest, args.pinned_files)
         files, record["files_source"], record["drift"], record["notes"] = selected
+        record["notes"] = [*([f"drift: {fallback}"] if fallback else []), *record["notes"]]
     except upstream.UpstreamError as exc:
         raise lifecycle.Abort(str(exc), exc.exit_code) from None
     record["files"] = files

@@ -65,6 +65,34 @@ def installed_version(distributions: Sequence[str] = DISTRIBUTIONS) -> str:
     raise UpstreamError(f"no vLLM distribution installed (looked for {', '.join(distributions)})", 75)
 
 
+def tests_release(version: str, index: str) -> tuple[str, str | None]:
+    """The release whose sdist holds a build's upstream tests and pipeline, and a drift line
+    when that is not the build's own version: a development or pre-release build has no sdist
+    of its own, so it falls back to the newest release before it, and says so."""
+    parsed = Version(version)
+    if not (parsed.is_devrelease or parsed.is_prerelease):
+        return parsed.public, None
+    from unearth import PackageFinder
+
+    best = PackageFinder(index_urls=[index], no_binary=["vllm"]).find_best_match(f"vllm<{parsed.base_version}").best
+    if best is None or best.version is None:
+        raise UpstreamError(f"vLLM {version} is a development build and {index} lists no vllm release before "
+                            f"{parsed.base_version}: name the build's checkout with --vllm-source-dir", 75)
+    return best.version, (f"vLLM {version} is a development build with no source distribution of its own: its "
+                          f"upstream tests and pipeline are vLLM {best.version}'s (name the build's own checkout "
+                          "with --vllm-source-dir)")
+
+
+def build_tree(source_dir: str | None = None, environ: Mapping[str, str] = os.environ) -> tuple[Path, str | None]:
+    """The upstream tree for the installed vLLM build, and the drift line when it is another
+    release's (tests_release)."""
+    version = installed_version()
+    if source_dir or environ.get(SOURCE_DIR_VAR):
+        return tree(version, source_dir, environ), None
+    release, fallback = tests_release(version, index_url(environ))
+    return fetch_tree(release, index_url(environ)), fallback
+
+
 # --------------------------------------------------------------------------- the tree
 
 def tree(version: str, source_dir: str | None = None, environ: Mapping[str, str] = os.environ) -> Path:

@@ -357,3 +357,20 @@ def test_pytest_config_without_a_pytest_section_is_an_empty_table(tmp_path):
     upstream.write_pytest_config('[project]\nname = "vllm"\n', tmp_path)
     assert (tmp_path / "pyproject.toml").read_text() == "[tool.pytest.ini_options]\n"
     json.dumps(upstream.describe(tmp_path))  # no marker: still describable
+
+
+def test_a_development_build_falls_back_to_the_release_before_it_and_says_so(cache, index):
+    served = index("9.9.8")
+    assert upstream.tests_release("9.9.8", served.url) == ("9.9.8", None)   # a release: its own, no request
+    assert served.requests == []
+    release, note = upstream.tests_release("9.9.9.dev12", served.url)
+    assert release == "9.9.8"
+    assert note == ("vLLM 9.9.9.dev12 is a development build with no source distribution of its own: its upstream "
+                    "tests and pipeline are vLLM 9.9.8's (name the build's own checkout with --vllm-source-dir)")
+
+
+def test_a_development_build_with_no_release_before_it_is_75(cache, index):
+    served = index("9.9.9")
+    with pytest.raises(upstream.UpstreamError) as caught:
+        upstream.tests_release("9.9.9rc1", served.url)
+    assert caught.value.exit_code == 75 and "lists no vllm release before 9.9.9" in str(caught.value)

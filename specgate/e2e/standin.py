@@ -70,10 +70,12 @@ def run_upstream(manifest: Manifest, mode: str, env: dict[str, str], out: Path,
     from specgate import upstream
 
     try:
-        root = upstream.tree(upstream.installed_version())
+        root, fallback = upstream.build_tree()
     except upstream.UpstreamError as exc:
         print(f"upstream e2e: {exc}", flush=True)
         return exc.exit_code, [], {"error": str(exc)}
+    if fallback:
+        print(f"upstream e2e: drift: {fallback}", flush=True)
     cache = out / "upstream-hub-cache"
     behind = stand_in_hub_cache(manifest, mode, cache)
     for repo_id, what in behind.items():
@@ -85,6 +87,7 @@ def run_upstream(manifest: Manifest, mode: str, env: dict[str, str], out: Path,
                                 env={**env, "HF_HUB_CACHE": str(cache)}, log=out / "pytest-upstream.log")
     wall_s = round(time.monotonic() - started, 2)
     rows = upstream_rows(pytestrun.read_junit(junit) if junit.is_file() else [], behind)
-    return session_exit_code(code, rows), rows, {"tree": str(root), "file": UPSTREAM_FILE, "hub_cache": str(cache),
+    return session_exit_code(code, rows), rows, {"tree": str(root), "drift": fallback, "file": UPSTREAM_FILE,
+                                                 "hub_cache": str(cache),
                                                  "checkpoints": behind, "pytest_exit_code": code,
                                                  "pytest_wall_s": wall_s}
