@@ -65,6 +65,8 @@ def test_each_mutant_replaces_the_vllm_function_it_names_and_loads_no_numba():
     vLLM and install() replaces it; installing every mutant loads no llvmlite (numba), after
     which vLLM 0.32 CPU could not start an engine (specgate.engine). One process, one vLLM import."""
     assert set(PATCHED) == set(catalogue.MUTANTS)
+    assert {name: catalogue.MUTANTS[name].patches[0] for name in PATCHED} == {
+        name: f"{module}:{path}" for name, (module, path) in PATCHED.items()}   # what moved() looks for
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(PATCHED)], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -162,3 +164,21 @@ def test_summary_entries_pass_a_killed_mutant_and_fail_a_survivor():
     for entry in (session._entry(killed), session._entry(unexercised)):
         assert not list(VALIDATOR.evolve(schema=schema).iter_errors(entry))
     assert "mutants" in VALIDATOR.schema["properties"]["session"]["enum"]
+
+
+def test_a_mutant_whose_patched_function_moved_says_so_and_is_never_a_kill():
+    gone = catalogue.Mutant("gone", "what", "why", lambda: None, ("json:dumps", "json.decoder:NoSuchDecoder.decode"))
+    assert catalogue.moved(gone) == ("json.decoder:NoSuchDecoder.decode is not in this vLLM (AttributeError: module "
+                                     "'json.decoder' has no attribute 'NoSuchDecoder')")
+    assert catalogue.moved(catalogue.Mutant("here", "what", "why", lambda: None, ("json:dumps",))) is None
+    entry = session._entry({"name": "gone", "killed_by": [], "survived": True, "fired": 0, "time_s": 0.0,
+                            "moved": catalogue.moved(gone)})
+    assert entry["outcome"] == "failed" and entry["reason"].startswith("not scored: the function it patches moved")
+
+
+def test_every_mutant_fits_the_pinned_vllm():
+    """What the mutants session asks the build under test before it runs a mutant."""
+    out = subprocess.run([sys.executable, "-m", "specgate.mutants.catalogue", *catalogue.MUTANTS], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == dict.fromkeys(catalogue.MUTANTS)

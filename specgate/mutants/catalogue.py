@@ -43,6 +43,23 @@ class Mutant:
     what: str
     why_real: str
     install: Callable[[], None]
+    patches: tuple[str, ...]    # "module:Attribute.path" of what install() replaces in vLLM
+
+
+def moved(mutant: Mutant) -> str | None:
+    """Why the mutant cannot be installed on this vLLM (what it patches moved or went), or None.
+    Such a mutant is not a kill and not a survivor: the catalogue no longer fits the build."""
+    import importlib
+
+    for target in mutant.patches:
+        module, _, path = target.partition(":")
+        try:
+            found: Any = importlib.import_module(module)
+            for name in path.split("."):
+                found = getattr(found, name)
+        except (ImportError, AttributeError) as exc:
+            return f"{target} is not in this vLLM ({type(exc).__name__}: {exc})"
+    return None
 
 
 # --------------------------------------------------------------------------- target-side verification
@@ -204,48 +221,53 @@ def _short_ngram_context(proposer: Any) -> None:
     proposer._specgate_mutant = True
 
 
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
+PREPARE_INPUTS = f"{CPU_RUNNER}:CPUModelRunner._prepare_inputs"
+REJECTION_SAMPLE = "vllm.v1.sample.rejection_sampler:rejection_sample"
 CATALOGUE = (
     Mutant("noncausal-verify",
            "attention is non-causal inside every query block of 2..8 tokens (the verification step)",
            "the CPU backend takes causal per batch, and DFlash's non-causal draft attention runs through "
            "the same builder: one flag applied to the wrong block lets draft positions see later drafts",
-           _noncausal_verify),
+           _noncausal_verify, (f"{CPU_ATTN}:CPUAttentionMetadataBuilder.build",)),
     Mutant("draft-positions-shifted",
            "the draft tokens of a verification block get positions one too high (RoPE), KV slots unchanged",
            "positions are num_computed_tokens plus an offset per token; an off-by-one after a rejection "
            "rotates every verified draft's query and key wrongly",
-           lambda: _after_prepare_inputs(_shift_draft_positions)),
+           lambda: _after_prepare_inputs(_shift_draft_positions), (PREPARE_INPUTS,)),
     Mutant("kv-not-rewritten",
            "the KV write of each verification block's first token is skipped, so the slot keeps what a "
            "rejected draft (or nothing) left there",
            "rolling back rejected drafts is only correct if the next step rewrites their slots; a runner "
            "that treats written slots as filled serves the rejected draft's keys",
-           lambda: _after_prepare_inputs(_skip_first_kv_write)),
+           lambda: _after_prepare_inputs(_skip_first_kv_write), (PREPARE_INPUTS,)),
     Mutant("kv-slots-shifted",
            "the drafts' KV is written one slot after the slot of their position",
            "slot mapping is block_table[pos // block_size] * block_size + pos % block_size per token; an "
            "off-by-one for draft tokens puts their keys where the next token expects its own",
-           lambda: _after_prepare_inputs(_shift_draft_slots)),
+           lambda: _after_prepare_inputs(_shift_draft_slots), (PREPARE_INPUTS,)),
     Mutant("accept-one-extra",
            "the rejection sampler emits the first rejected draft as accepted, then the target's next token",
            "an off-by-one in the accepted-prefix length (<= instead of <) accepts one draft the target "
            "rejected",
-           lambda: _after_rejection(_accept_one_extra)),
+           lambda: _after_rejection(_accept_one_extra), (REJECTION_SAMPLE,)),
     Mutant("bonus-dropped",
            "a step that accepts every draft emits no bonus token",
            "the bonus token is sampled separately (bonus_logits_indices) and appended; losing that append "
            "costs a token per fully accepted step and shifts acceptance counts",
-           lambda: _after_rejection(_drop_bonus)),
+           lambda: _after_rejection(_drop_bonus), (REJECTION_SAMPLE,)),
     Mutant("draft-hidden-shifted",
            "the EAGLE-3/MTP drafter gets the target hidden states shifted by one token",
            "the drafter pairs token i+1 with hidden state i; an off-by-one in the hidden-state indices "
            "after rejections (prepare_inputs) feeds it the wrong position",
-           _shift_draft_hidden_states),
+           _shift_draft_hidden_states, ("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",)),
     Mutant("ngram-wrong-offset",
            "the ngram proposer searches a context one token short of the real one",
            "num_tokens_no_spec is the length before drafts; using a stale or off-by-one length makes "
            "prompt lookup match and propose from the wrong offset",
-           _ngram_wrong_offset),
+           _ngram_wrong_offset, (f"{CPU_RUNNER}:CPUModelRunner.propose_draft_token_ids",
+                                 "vllm.v1.spec_decode.ngram_proposer:NgramProposer.propose")),
 )
 MUTANTS = {m.name: m for m in CATALOGUE}
 
@@ -257,3 +279,10 @@ def install(name: str) -> None:
     except KeyError:
         raise ValueError(f"unknown mutant {name!r} (known: {', '.join(MUTANTS)})") from None
     mutant.install()
+
+
+if __name__ == "__main__":   # the mutants session asks the build under test, in its own process
+    import json
+    import sys
+
+    print(json.dumps({name: moved(MUTANTS[name]) for name in sys.argv[1:]}))

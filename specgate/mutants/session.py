@@ -4,7 +4,9 @@
 2. Per mutant, the same checks with the mutant installed in every engine process
    (MUTANT_VAR). The checks that fail or error kill it; one that no check catches survives
    (a finding: add the check, or explain in the README why fixture mode cannot see it). A
-   mutant whose patch never fired was not exercised and counts as a survivor too.
+   mutant whose patch never fired was not exercised and counts as a survivor too; so does
+   one whose patched function moved in the build under test (--vllm): it says so, and is
+   never counted as killed.
 3. summary.json: `mutants` (name, what, why_real, killed_by, survived, fired) and `kill_rate`;
    its `tests` hold one entry per mutant, passed when killed, failed when it survived.
 
@@ -13,6 +15,9 @@ Exit codes: 0 every mutant killed, 1 a survivor or a failed control run, 2 bad i
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -61,7 +66,14 @@ def step(ctx: lifecycle.Context) -> int:
                           (", ".join(_failed(rows)) or f"pytest exit {code}")
         return exitcodes.FAILURE
 
+    moved = _moved(chosen)
     for mutant in chosen:
+        if moved.get(mutant.name):
+            print(f"{mutant.name}: NOT SCORED: {moved[mutant.name]}", flush=True)
+            record["mutants"].append({"name": mutant.name, "what": mutant.what, "why_real": mutant.why_real,
+                                      "killed_by": [], "survived": True, "fired": 0, "moved": moved[mutant.name],
+                                      "pytest_exit_code": None, "time_s": 0.0})
+            continue
         print(f"== {SESSION}: {mutant.name}: {mutant.what} ==", flush=True)
         started = time.monotonic()
         code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / mutant.name, args.pytest_args,
@@ -69,7 +81,7 @@ def step(ctx: lifecycle.Context) -> int:
         fired = sum(e.get("mutant_fired") or 0 for e in engines)
         killed_by = _failed(rows) if fired else []
         record["mutants"].append({"name": mutant.name, "what": mutant.what, "why_real": mutant.why_real,
-                                  "killed_by": killed_by, "survived": not killed_by, "fired": fired,
+                                  "killed_by": killed_by, "survived": not killed_by, "fired": fired, "moved": None,
                                   "pytest_exit_code": code, "time_s": round(time.monotonic() - started, 1)})
         print(f"{mutant.name}: fired {fired} times; " + (f"killed by {len(killed_by)} check(s)" if killed_by
                                                           else "SURVIVED"), flush=True)
@@ -80,9 +92,20 @@ def step(ctx: lifecycle.Context) -> int:
     return exitcodes.FAILURE if any(m["survived"] for m in results) else exitcodes.OK
 
 
+def _moved(chosen: list) -> dict[str, str | None]:
+    """Per mutant, why the build under test lacks what it patches (None: it has it). Asked in
+    a process of its own, so this session never imports vLLM."""
+    found = subprocess.run([sys.executable, "-m", "specgate.mutants.catalogue", *(m.name for m in chosen)],
+                           capture_output=True, text=True, check=True)
+    return json.loads(found.stdout.strip().splitlines()[-1])
+
+
 def _entry(m: dict[str, Any]) -> dict[str, Any]:
-    """The mutant as a summary test entry: passed when a check killed it."""
-    if not m["survived"]:
+    """The mutant as a summary test entry: passed when a check killed it; a mutant whose target
+    moved in this vLLM is never a kill."""
+    if m.get("moved"):
+        reason = f"not scored: the function it patches moved in this vLLM: {m['moved']}"
+    elif not m["survived"]:
         reason = f"killed by {len(m['killed_by'])} check(s): " + ", ".join(n.split("::")[-1] for n in m["killed_by"])
     elif not m["fired"]:
         reason = "survived: the patch never fired, so the mutant was not exercised"
