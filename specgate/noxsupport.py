@@ -18,6 +18,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import nox
 from nox.command import CommandFailed
@@ -117,11 +118,7 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     failure or a session process that dies without finishing its record still leaves
     a summary of this run (crashed or killed), never an older one."""
     if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
-        spec = _spec(session)
-        if spec.source == "pinned":
-            install(session, load())
-        else:
-            buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log)
+        _install_build(session, load(), _spec(session))
         return
     run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
     os.environ[summary.RUN_ID_VAR] = run_id
@@ -137,15 +134,14 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
         env = {**envpin.session_env(manifest, session.name), "SPECGATE_SESSION": session.name,
                summary.RUN_ID_VAR: run_id}
         argv = ["-m", module, *args, *session.posargs]
-        if spec.source == "pinned":
-            record = install(session, manifest)
-            phase = f"python -m {module}"
+        venv, record = _install_build(session, manifest, spec)
+        phase = f"python -m {module}"
+        if venv is None:
             session.run("python", *argv, env={**env, build.RECORD_VAR: json.dumps(record) if record else None})
         else:
-            venv, record = buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log)
-            phase = f"python -m {module}"
-            nox.command.run([str(venv / "bin" / "python"), *argv], external=True, paths=[str(venv / "bin")],
-                            env={**os.environ, **env, **buildenv.run_env(venv, record)})
+            assert record is not None   # prepare() always knows the build it installed
+            nox.command.run([str(venv / "bin" / "python"), *argv], silent=False, external=True,
+                            paths=[str(venv / "bin")], env={**os.environ, **env, **buildenv.run_env(venv, record)})
         code = exitcodes.OK
     except ManifestError as exc:
         session.log(f"error: {exc}")
@@ -159,6 +155,15 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
         _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
                       "session finished its summary")
     conclude(session, code)
+
+
+def _install_build(session: nox.Session, manifest: Manifest,
+                   spec: build.Spec) -> tuple[Path | None, dict[str, Any] | None]:
+    """The venv of the build under test (None: nox's own, which holds the pinned release) and
+    the build's identity, installed first where need be."""
+    if spec.source == "pinned":
+        return None, install(session, manifest)
+    return buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log)
 
 
 def _spec(session: nox.Session) -> build.Spec:
