@@ -315,3 +315,18 @@ def test_compiled_model_reads_vllms_and_inductors_compile_counters():
     assert engine.compiled_model({"num_aot_artifacts_loaded": 1})   # compiled earlier, loaded from the cache
     assert engine.compiled_model({"num_models_seen": 2, "inductor.fxgraph_cache_miss": 1})   # AOT off, cold
     assert engine.compiled_model({"num_models_seen": 2, "inductor.fxgraph_cache_hit": 1})    # AOT off, warm
+
+
+def test_acceptance_floors_judge_only_the_versions_they_were_measured_on():
+    """A build of another vLLM version is not judged against 0.32.0's acceptance numbers; its
+    exact checks (known answers, per-step acceptance) still are."""
+    manifest = m.load()
+    assert planning.unrecorded_floors(manifest, "0.32.0") is None
+    assert planning.unrecorded_floors(manifest, "0.31.0") == (
+        "no acceptance floors recorded for vLLM 0.31.0 (manifest [e2e] floors_recorded_on: 0.32.0): "
+        "acceptance is measured and shown, not judged")
+    eagle3 = planning.resolve_config(manifest, next(c for c in manifest.e2e if c.id == "eagle3-v1"), "fixture")
+    assert eagle3.threshold == 2.6 and eagle3.known_answer["floor"] == 2.6
+    unjudged = planning.without_floors(eagle3)
+    assert unjudged.threshold is None and unjudged.known_answer["floor"] is None
+    assert unjudged.known_answer["exact_drafts"] is True and unjudged.known_answer["wrong_at"] == 1

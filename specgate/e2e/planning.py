@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,22 @@ def missing_models(configs: Iterable[Config]) -> list[Model]:
             if m is not None and m.path is None:
                 seen[m.name] = m
     return list(seen.values())
+
+
+def unrecorded_floors(manifest: Manifest, version: str) -> str | None:
+    """Why the acceptance floors are not applied to this vLLM version (None: they were measured
+    on it). A version without floors of its own is not judged against another version's numbers."""
+    recorded = _Reader(manifest.path, dict(manifest.e2e_settings), "e2e.").str_list("floors_recorded_on")
+    if version in recorded:
+        return None
+    return (f"no acceptance floors recorded for vLLM {version} (manifest [e2e] floors_recorded_on: "
+            f"{', '.join(recorded)}): acceptance is measured and shown, not judged")
+
+
+def without_floors(config: Config) -> Config:
+    """The config with no acceptance floor to hold its runs to; exact checks stay."""
+    known = {**config.known_answer, "floor": None} if config.known_answer else None
+    return replace(config, floors={}, known_answer=known)
 
 
 def plan_dict(mode: str, settings: Settings, configs: list[Config], shard: tuple[int, int]) -> dict[str, Any]:

@@ -20,9 +20,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from specgate import artifacts, cli, e2e_history, envpin, exitcodes, history, lifecycle, pytestrun
+from specgate import artifacts, cli, e2e_history, envpin, exitcodes, history, lifecycle, pytestrun, upstream
 from specgate.e2e import SESSION
-from specgate.e2e.planning import PLAN_VAR, Settings, missing_models, plan_dict, resolve_config
+from specgate.e2e.planning import (
+    PLAN_VAR,
+    Settings,
+    missing_models,
+    plan_dict,
+    resolve_config,
+    unrecorded_floors,
+    without_floors,
+)
 from specgate.e2e.report import (
     RECORDS_VAR,
     Recorder,
@@ -104,6 +112,10 @@ def step(ctx: lifecycle.Context) -> int:
         ctx.expects_tests = False
         return exitcodes.OK
 
+    record["floors"] = unrecorded_floors(manifest, upstream.installed_version()) or "judged"
+    if record["floors"] != "judged":
+        print(f"floors: {record['floors']}", flush=True)
+        configs = [without_floors(c) for c in configs]
     plan = plan_dict(args.model_source, settings, configs, (args.num_shards, args.shard_id))
     code, rows, engines, env, record["pytest_wall_s"] = run_tests(manifest, SESSION, plan, out, args.pytest_args)
     record["env"] = envpin.effective_env(env, envpin.session_env(manifest, SESSION))
