@@ -70,7 +70,8 @@ def factors(cpu: dict[str, str] | None = None) -> dict[str, str]:
     flags = sorted((cpu.get("flags") or cpu.get("Features") or "").split())
     return {
         "vllm": _distribution_version(*VLLM_DISTRIBUTIONS),
-        "vllm_build": build.from_environ().get("id") or "unknown",   # two builds of one version differ
+        # Two builds of one version differ; the same files (pinned, or installed anywhere) do not.
+        "vllm_build": (build.from_environ().get("sha256") or "unknown")[:16],
         "torch": _distribution_version("torch"),
         "python": f"{platform.python_implementation()}-{platform.python_version()}",
         "machine": platform.machine(),

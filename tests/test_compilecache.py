@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from specgate import compilecache
+from specgate import build, compilecache
 
 REPO = Path(__file__).resolve().parent.parent
 PRINT_ENV = "import json; from specgate.compilecache import compile_cache_env; print(json.dumps(compile_cache_env()))"
@@ -118,3 +118,13 @@ def test_vllm_and_torch_read_these_variables(cache_dir):
     proc = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == env
+
+
+def test_the_entry_follows_the_builds_files_not_its_version_or_where_it_is_installed(monkeypatch):
+    def key(sha256: str, file: str) -> str:
+        monkeypatch.setenv(build.RECORD_VAR, json.dumps({"id": sha256[:16], "source": "installed", "version": "0.32.0",
+                                                         "file": file, "sha256": sha256, "commit": None}))
+        return compilecache.cache_key(compilecache.factors())
+
+    assert key("a" * 64, "/opt/venv/bin/python") == key("a" * 64, "/tmp/other/bin/python")
+    assert key("a" * 64, "/opt/venv/bin/python") != key("b" * 64, "/opt/venv/bin/python")   # one version, two builds
