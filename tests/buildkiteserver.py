@@ -22,9 +22,10 @@ import re
 import threading
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Self
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlencode, urlsplit
+
+from localserver import LocalServer
 
 FINISHED = ("passed", "failed", "blocked", "canceled")
 BUILDS = re.compile(r"^/v2/organizations/([^/]+)/pipelines/([^/]+)/builds(?:/(\d+)(/.*)?)?$")
@@ -56,7 +57,7 @@ class Request:
     host: str | None
 
 
-class BuildkiteServer:
+class BuildkiteServer(LocalServer):
     """Start with `with BuildkiteServer("acme", "specgate", token, builds) as api:`."""
 
     def __init__(self, org: str, pipeline: str, token: str, builds: list[Build], max_per_page: int = 100) -> None:
@@ -70,22 +71,11 @@ class BuildkiteServer:
             for job in build.jobs:
                 for path in job.files:
                     self.artifacts[str(uuid.uuid4())] = (job, path)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        super().__init__(_handler(self))
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        return self.origin
 
     def seen(self, pattern: str) -> list[Request]:
         """The requests so far whose path matches the regular expression."""

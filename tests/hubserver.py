@@ -24,9 +24,11 @@ import time
 import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
+
+from localserver import LocalServer
 
 from specgate import manifest as specgate_manifest
 
@@ -81,7 +83,7 @@ class Stats:
     bytes_sent: Counter = field(default_factory=Counter)  # (repo_id, filename) -> bytes written
 
 
-class HubServer:
+class HubServer(LocalServer):
     """Start with `with HubServer([Repo(...)]) as hub:`; the port is chosen by the OS."""
 
     def __init__(self, repos: list[Repo]):
@@ -90,22 +92,11 @@ class HubServer:
         self.faults: list[Fault] = []
         self.throttle = Throttle()
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        super().__init__(_handler(self))
 
     @property
     def endpoint(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def __enter__(self) -> HubServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        return self.origin
 
     def fail(self, status: int, *, kind: str | None = None, filename: str | None = None, times: int = 1) -> None:
         with self.lock:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Self
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from localserver import LocalServer
 
 from specgate import pytestrun
 
@@ -23,7 +22,7 @@ def pytest_configure(config):
 """
 
 
-class UploadServer:
+class UploadServer(LocalServer):
     """Test Engine's upload endpoint (POST {api}/uploads), recording what it is sent."""
 
     def __init__(self) -> None:
@@ -44,20 +43,11 @@ class UploadServer:
                 self.end_headers()
                 self.wfile.write(reply)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        return f"{self.origin}/v1"
 
 
 def test_the_collector_is_asked_for_only_with_its_token():

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import tarfile
 import textwrap
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from localserver import LocalServer
 
 from specgate import upstream
 from specgate.manifest import load
@@ -201,7 +201,7 @@ def _fake_sdist(version: str) -> bytes:
     return buffer.getvalue()
 
 
-class FakeIndex:
+class FakeIndex(LocalServer):
     """A PEP 503 simple index on 127.0.0.1 serving one vllm sdist, counting every request."""
 
     def __init__(self, version: str, *, sha256: str | None = "real") -> None:
@@ -234,14 +234,9 @@ class FakeIndex:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/simple"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
+        self.url = f"{self.origin}/simple"
+        self.start()
 
 
 @pytest.fixture
