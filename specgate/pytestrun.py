@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,14 @@ def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] |
     if junit.is_file():
         artifacts.scrub_file(junit)
     return code
+
+
+def run_pytest_timed(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] | None = None,
+                     log: Path | None = None) -> tuple[int, float]:
+    """run_pytest, and its wall time in seconds (unrounded: each caller records it at its own precision)."""
+    started = time.monotonic()
+    code = run_pytest(args, junit, cwd=cwd, env=env, log=log)
+    return code, time.monotonic() - started
 
 
 def nodeid(case) -> str:

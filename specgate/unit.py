@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,9 +238,7 @@ def run_group(group: Group, attempt: int, *, root: Path, base_env: dict[str, str
     junit.unlink(missing_ok=True)
     plugin = ["-p", "specgate.redirect"] if group.redirect else []
     env = pytestrun.child_env({**base_env, **group.env})
-    started = time.monotonic()
-    code = pytestrun.run_pytest([*plugin, *args, *group.targets], junit, cwd=root, env=env, log=log)
-    wall = time.monotonic() - started
+    code, wall = pytestrun.run_pytest_timed([*plugin, *args, *group.targets], junit, cwd=root, env=env, log=log)
     results = pytestrun.read_junit(junit) if junit.is_file() else []
     if code not in (0, 1):
         # pytest itself failed (usage error, internal error, interrupted, nothing collected):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,12 +81,11 @@ def run_upstream(manifest: Manifest, mode: str, env: dict[str, str], out: Path,
         print(f"upstream e2e: {repo_id} -> {what}", flush=True)
     junit = out / "junit-upstream.xml"
     junit.unlink(missing_ok=True)
-    started = time.monotonic()
-    code = pytestrun.run_pytest(["-rA", "-p", "no:cacheprovider", UPSTREAM_FILE, *pytest_args], junit, cwd=root,
-                                env={**env, "HF_HUB_CACHE": str(cache)}, log=out / "pytest-upstream.log")
-    wall_s = round(time.monotonic() - started, 2)
+    code, wall = pytestrun.run_pytest_timed(["-rA", "-p", "no:cacheprovider", UPSTREAM_FILE, *pytest_args], junit,
+                                            cwd=root, env={**env, "HF_HUB_CACHE": str(cache)},
+                                            log=out / "pytest-upstream.log")
     rows = upstream_rows(pytestrun.read_junit(junit) if junit.is_file() else [], behind)
     return session_exit_code(code, rows), rows, {"tree": str(root), "drift": fallback, "file": UPSTREAM_FILE,
                                                  "hub_cache": str(cache),
                                                  "checkpoints": behind, "pytest_exit_code": code,
-                                                 "pytest_wall_s": wall_s}
+                                                 "pytest_wall_s": round(wall, 2)}
