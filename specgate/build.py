@@ -178,6 +178,7 @@ def installed_identity(source: str, file: str | None) -> dict[str, Any]:
 def digest_with(python: str, source: str, file: str | None) -> dict[str, Any]:
     """installed_identity, computed by `python` (this file run as a script there)."""
     runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    python = os.path.abspath(python) if os.sep in python else python   # it runs from /, away from any checkout
     result = subprocess.run([python, "-c", runner, __file__, source, file or ""], capture_output=True, text=True,
                             cwd="/")
     if result.returncode:
