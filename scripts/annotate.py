@@ -97,7 +97,13 @@ RENDERERS = {"cpu_unit": render_unit, "cpu_e2e": render_e2e}
 def chart(session: str, folder: Path) -> str:
     if session != "cpu_e2e" or not (folder / CHART).is_file():
         return ""
-    return (f'\n\n<img src="artifact://artifacts/{session}/{CHART}" '
+    # artifact:// names an artifact by its path from the checkout it was uploaded from, which
+    # is vLLM's in vLLM's pipeline (specgate/artifacts/...), this repository's in its own.
+    uploaded = Path("artifacts", session, CHART)
+    checkout = os.environ.get("BUILDKITE_BUILD_CHECKOUT_PATH")
+    if checkout and (folder / CHART).resolve().is_relative_to(Path(checkout).resolve()):
+        uploaded = (folder / CHART).resolve().relative_to(Path(checkout).resolve())
+    return (f'\n\n<img src="artifact://{uploaded.as_posix()}" '
             'alt="acceptance per draft position and over recent runs">')
 
 

@@ -129,7 +129,7 @@ def test_every_step_selects_the_build_then_runs_through_the_wrapper(steps):
 def test_both_builds_under_test_are_wired(steps):
     text = build_block(steps[0])
     wheel, image = text.split("wheel)")[1].split(";;")[0], text.split("image)")[1].split(";;")[0]
-    assert 'buildkite-agent artifact download "dist/*.whl" dist/ --step "$$SPECGATE_BUILD_STEP"' in wheel
+    assert 'buildkite-agent artifact download "dist/*.whl" . --step "$$SPECGATE_BUILD_STEP"' in wheel
     assert "export SPECGATE_VLLM=dist/" in wheel and "SPECGATE_DOCKER_IMAGE" not in wheel
     assert 'export SPECGATE_DOCKER_IMAGE="$${SPECGATE_CPU_IMAGE:?' in image
     assert "export SPECGATE_VLLM=installed" in image and "artifact download" not in image
@@ -213,7 +213,7 @@ def test_wheel_mode_downloads_the_build_steps_wheel_and_names_it(steps, pipeline
     specgate = checkout / "vllm" / "specgate"
     proc, calls = run_step(steps[2], pipeline, checkout, {})
     assert proc.returncode == 0, proc.stderr
-    assert calls[0] == 'buildkite-agent artifact download dist/*.whl dist/ --step build-cpu-wheel'
+    assert calls[0] == 'buildkite-agent artifact download dist/*.whl . --step build-cpu-wheel'
     assert calls[1].startswith(f"vllm=dist/ image= cwd={specgate} timeout=60m command=python3 scripts/noxw.py "
                                "-s cpu_e2e -- --num-shards=2 --shard-id=0")
     assert calls[2] == "annotate cpu_e2e --step-exit 0"

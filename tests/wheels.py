@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-import subprocess
 import zipfile
 from pathlib import Path
 
@@ -22,13 +21,17 @@ SWAPPED_GREEDY_ARGS = ("vllm/utils/cpu_triton_utils.py",
 
 
 def download(requirement: str, dest: Path) -> Path:
-    """A wheel from the configured index (pip's own cache makes a second download free)."""
+    """A wheel from the configured index, hash-checked, with unearth (as specgate.upstream
+    fetches vLLM's sdist): a session venv has no pip."""
+    from unearth import PackageFinder
+
+    from specgate import upstream
+
+    finder = PackageFinder(index_urls=[upstream.index_url()], only_binary=[":all:"])
+    package = finder.find_best_match(requirement).best
+    assert package is not None and package.link is not None, f"{upstream.index_url()} serves no {requirement} wheel"
     dest.mkdir(parents=True, exist_ok=True)
-    # The machine's python3: a uv-made session venv has no pip.
-    subprocess.run(["python3", "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                    requirement, "-d", str(dest)], check=True)
-    [wheel] = dest.glob("*.whl")
-    return wheel
+    return Path(finder.download(package.link, dest))
 
 
 def _record_hash(data: bytes) -> str:

