@@ -25,7 +25,13 @@ PYTHON = "3.11"
 
 @nox.session(python=PYTHON, tags=["check"])
 def tests(session: nox.Session) -> None:
-    """Run the harness's own tests, the Buildkite job chain (tests/ci) included."""
+    """Run the harness's own tests but the Buildkite job chain (the fast loop)."""
+    run_module(session, "specgate.selftest")
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def ci_jobs(session: nox.Session) -> None:
+    """Run tests/ci: the Buildkite job chain, driven as an agent runs it."""
     run_module(session, "specgate.selftest")
 
 

@@ -19,7 +19,7 @@ pinned nox, from the repo root, the way .ci/run runs them:
   e2e_upstream   e2e_vs_upstream_ratio: pytest wall of our fixture-mode cpu_e2e checks over that
                  of upstream's tests/v1/e2e/test_cpu_spec_decode.py on the same fixtures
                  (`--upstream-e2e`, one session runs both), warm compile cache, median of --runs
-  tests          tests_pytest_s: pytest wall of `nox -R -s tests` (the harness's own tests), one run
+  tests          tests_pytest_s: pytest wall of `nox -R -s tests` (the fast tier: all but tests/ci), one run
   classify       classify_35mb_s, classify_grep_35mb_s: scripts/classify_failure.py and upstream's
                  `grep -E` of its retry pattern on a 35 MB log (400,000 vLLM INFO lines, then an
                  offline cache miss from tests/logs), median of max(3, --runs); the run fails
@@ -106,7 +106,7 @@ GOALS = (
     Goal("e2e_warm_s", 90.0, "fixture-mode cpu_e2e takes at most 90 s with a warm compile cache"),
     Goal("e2e_cold_s", 180.0, "fixture-mode cpu_e2e takes at most 3 min with an empty compile cache"),
     Goal("engine_start_warm_s", 4.0, "a tiny-model engine starts in at most 4 s with a warm compile cache"),
-    Goal("tests_pytest_s", 60.0, "the harness's own tests take at most 60 s of pytest"),
+    Goal("tests_pytest_s", 120.0, "the fast tier (nox -s tests: all but tests/ci) takes at most 120 s of pytest, warm"),
     Goal("fresh_clone_ci_s", 300.0, "a fresh clone gets through .ci/run in at most 5 min"),
     Goal("classify_35mb_s", 2.0, "a 35 MB log is classified in at most 2 s"),
 )

@@ -1,22 +1,26 @@
-"""`nox -s tests`: the harness's own tests, their files spread over parallel workers."""
+"""`nox -s tests` and `nox -s ci_jobs`: the harness's own tests, their files spread over parallel
+workers. `tests` is the fast loop, everything but tests/ci; `ci_jobs` is tests/ci, the Buildkite
+job chain driven as an agent runs it (real installs and engines: minutes, not seconds)."""
 
 from __future__ import annotations
+
+import os
 
 from specgate import artifacts, cli, exitcodes, lifecycle, pytestrun
 from specgate.manifest import REPO_ROOT
 
-SESSION = "tests"
+# Which tests each session runs (its session name comes from noxsupport, as SPECGATE_SESSION).
+TIERS = {"tests": ["--ignore=tests/ci"], "ci_jobs": ["tests/ci"]}
 
 
 def step(ctx: lifecycle.Context) -> int:
-    junit = artifacts.artifacts_dir(SESSION) / "junit.xml"
+    junit = artifacts.artifacts_dir(ctx.session) / "junit.xml"
     junit.unlink(missing_ok=True)
     # Test files run in parallel workers, each file whole in one worker (its module fixtures and
     # its order stay as written); `-n 0` after `--` turns that off. Files go out in collection
-    # order, so tests/ci (few tests, more than half of the suite's test time) starts
-    # first: xdist's default order, most tests first, started it last.
+    # order, not xdist's default of most tests first.
     code, wall_s = pytestrun.run_pytest_timed(["-rA", "-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder",
-                                               *ctx.args.pytest_args], junit,
+                                               *TIERS[ctx.session], *ctx.args.pytest_args], junit,
                                               cwd=REPO_ROOT, env=pytestrun.child_env(),
                                               log=junit.with_name("pytest.log"))
     ctx.record["pytest_wall_s"] = round(wall_s, 2)
@@ -27,4 +31,5 @@ def step(ctx: lifecycle.Context) -> int:
 
 
 if __name__ == "__main__":
-    lifecycle.main(SESSION, cli.parser(SESSION, __doc__.splitlines()[0]), step)
+    session = os.environ.get("SPECGATE_SESSION", "tests")
+    lifecycle.main(session, cli.parser(session, __doc__.splitlines()[0]), step)

@@ -6,11 +6,9 @@ nothing here downloads the real 44 MB sdist or imports vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -31,31 +29,24 @@ PIPELINE = ".buildkite/hardware_tests/cpu.yaml"
 
 # --------------------------------------------------------------------------- the real pipeline
 
-def _real_pipeline() -> Path | None:
-    """vLLM's cpu.yaml from a checkout, the harness cache, or the unpacked sdist on this machine."""
-    candidates = [os.environ.get(upstream.SOURCE_DIR_VAR), "/tmp/sd/vllm-0.32.0"]
-    with contextlib.suppress(upstream.UpstreamError):
-        candidates.append(str(upstream._upstream_dir() / f"vllm-{upstream.installed_version()}"))
-    for root in filter(None, candidates):
-        if (Path(root) / PIPELINE).is_file():
-            return Path(root) / PIPELINE
-    return None
+@pytest.fixture(scope="module")
+def real_pipeline(tmp_path_factory) -> Path:
+    """vLLM 0.32.0's cpu.yaml from its sdist on the configured index, unpacked into a temporary
+    harness cache: no test depends on a session having cached the tree before it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECGATE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        return upstream.fetch_tree("0.32.0", upstream.index_url()) / PIPELINE
 
 
-def test_real_cpu_pipeline_lists_the_pinned_unit_files_and_keeps_e2e_apart():
-    pipeline = _real_pipeline()
-    if pipeline is None:
-        pytest.skip(f"no vLLM {PIPELINE} here: set ${upstream.SOURCE_DIR_VAR}, or run nox -s cpu_unit once "
-                    "to cache the upstream tree")
-    files = upstream.pipeline_files(pipeline, SPEC_STEP)
+def test_real_cpu_pipeline_lists_the_pinned_unit_files_and_keeps_e2e_apart(real_pipeline):
+    files = upstream.pipeline_files(real_pipeline, SPEC_STEP)
     assert len(files) == 14 and all(f.startswith("tests/v1/") and f.endswith(".py") for f in files)
     assert "tests/v1/spec_decode/test_ngram.py" in files
     assert "tests/v1/e2e/test_cpu_spec_decode.py" not in files  # the second invocation is cpu_e2e's
-    step = upstream.find_step(pipeline, SPEC_STEP)
+    step = upstream.find_step(real_pipeline, SPEC_STEP)
     invocations = upstream.pytest_invocations("\n".join(step["commands"]))
     assert [upstream.file_args(i) for i in invocations[1:]] == [["tests/v1/e2e/test_cpu_spec_decode.py"]]
-    if "0.32.0" in str(pipeline):
-        assert files == list(load().unit.files)  # the manifest pins exactly vLLM 0.32.0's list
+    assert files == list(load().unit.files)  # the manifest pins exactly vLLM 0.32.0's list
 
 
 # --------------------------------------------------------------------------- crafted pipelines
@@ -369,3 +360,10 @@ def test_a_development_build_with_no_release_before_it_is_75(cache, index):
     with pytest.raises(upstream.UpstreamError) as caught:
         upstream.tests_release("9.9.9rc1", served.url)
     assert caught.value.exit_code == 75 and "lists no vllm release before 9.9.9" in str(caught.value)
+
+
+def test_the_vllm_side_pipelines_trigger_list_is_upstreams_own(real_pipeline):
+    """.buildkite/vllm/pipeline.yml's if_changed starts from this list (tests/test_vllm_pipeline.py)."""
+    from specgate import vllmpaths
+
+    assert vllmpaths.upstream_dependencies(real_pipeline.read_text()) == list(vllmpaths.UPSTREAM_DEPENDENCIES_0_32)
