@@ -73,7 +73,7 @@ def _install_key(spec: build.Spec, record: dict[str, Any]) -> str:
     for path in (PINS, REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
         digest.update(path.read_bytes())
     digest.update(json.dumps([spec.source, record["id"], REVISION,
-                              os.environ.get("SPECGATE_TORCH_CPU_INDEX", "")]).encode())
+                              os.environ.get(torchprobe.CPU_INDEX_VAR, "")]).encode())
     return digest.hexdigest()
 
 
@@ -155,6 +155,11 @@ def _install_wheel(venv: Path, wheel: str) -> None:
         install = [python, "-m", "pip", "install"]
     _run([*install, wheel], f"installing {Path(wheel).name}")
     broken = torchprobe.probe(python=python)
+    cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)
+    if broken and cpu_index:   # as for the pinned release (noxsupport.fix_torch_companions)
+        _run([*install, "--reinstall" if uv else "--force-reinstall", "--no-deps", "--index-url", cpu_index,
+              *sorted(broken)], f"installing CPU builds of {', '.join(sorted(broken))}")
+        broken = torchprobe.probe(tuple(broken), python=python)
     if broken:
         _run([uv, "pip", "uninstall", "--python", python, *sorted(broken)] if uv
              else [python, "-m", "pip", "uninstall", "-y", *sorted(broken)], "removing broken torch companions")

@@ -28,8 +28,6 @@ from specgate.manifest import REPO_ROOT, Manifest, ManifestError, load
 
 SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
 INSTALL_STAMP = "specgate-install.json"
-# Set to the PyTorch CPU wheel index to get CPU builds of torchvision/torchaudio/torchcodec.
-TORCH_CPU_INDEX_VAR = "SPECGATE_TORCH_CPU_INDEX"
 # Bumped when what an install does changes, so every stamped venv is installed again.
 INSTALL_REVISION = "2: site-packages compiled to bytecode"
 # The sessions that import vLLM, and so take `--vllm` (specgate.build).
@@ -40,7 +38,7 @@ def _install_key(session: nox.Session, constraints: Path) -> str:
     digest = hashlib.sha256()
     for path in (constraints, REPO_ROOT / "pyproject.toml"):
         digest.update(path.read_bytes())
-    digest.update(os.environ.get(TORCH_CPU_INDEX_VAR, "").encode())
+    digest.update(os.environ.get(torchprobe.CPU_INDEX_VAR, "").encode())
     digest.update(INSTALL_REVISION.encode())
     digest.update(str(session.virtualenv.location).encode())
     return digest.hexdigest()
@@ -98,16 +96,16 @@ def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
     """Make torchvision & co. importable or absent, never half-working (see specgate.torchprobe)."""
     location = str(session.virtualenv.location)
     broken = torchprobe.probe(python=_venv_python(session))
-    cpu_index = os.environ.get(TORCH_CPU_INDEX_VAR)
+    cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)
     if broken and cpu_index:
-        session.log(f"installing CPU builds of {', '.join(broken)} from ${TORCH_CPU_INDEX_VAR}")
+        session.log(f"installing CPU builds of {', '.join(broken)} from ${torchprobe.CPU_INDEX_VAR}")
         session.install("--reinstall", "--no-deps", "--index-url", cpu_index, *broken, env=env)
         broken = torchprobe.probe(tuple(broken), python=_venv_python(session))
     entries = torchprobe.degradation(broken)
     if broken:
         _uninstall(session, sorted(broken))
         session.warn(f"removed {', '.join(sorted(broken))}: CUDA builds that do not import beside torch+cpu; "
-                     f"tests that need them are reported as environment-blocked (set ${TORCH_CPU_INDEX_VAR} to fix)")
+                     f"tests that need them are reported as environment-blocked (set ${torchprobe.CPU_INDEX_VAR} to fix)")
     torchprobe.write_record(entries, location)
 
 

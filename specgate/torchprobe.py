@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# Set to the PyTorch CPU wheel index to get CPU builds of the companions instead of removing them.
+CPU_INDEX_VAR = "SPECGATE_TORCH_CPU_INDEX"
 RECORD = "specgate-degraded.json"
 
 
