@@ -105,7 +105,8 @@ def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
     if broken:
         _uninstall(session, sorted(broken))
         session.warn(f"removed {', '.join(sorted(broken))}: CUDA builds that do not import beside torch+cpu; "
-                     f"tests that need them are reported as environment-blocked (set ${torchprobe.CPU_INDEX_VAR} to fix)")
+                     "tests that need them are reported as environment-blocked "
+                     f"(set ${torchprobe.CPU_INDEX_VAR} to fix)")
     torchprobe.write_record(entries, location)
 
 
