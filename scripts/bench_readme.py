@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Regenerate the README's performance table from a bench report.
+"""Regenerate the performance table in docs/performance.md from a bench report.
 
 Usage: python3 scripts/bench_readme.py [BENCH_JSON]   (default: the bench's own, artifacts/bench/bench.json)
 
-Rewrites only the block between specgate.benchreport's README markers, atomically. Exit 0
-when written; exit 2 with one line when the report or the README's block cannot be read.
+Rewrites only the block between specgate.benchreport's README_BEGIN/README_END markers in
+docs/performance.md, atomically. Exit 0 when written; exit 2 with one line when the report or
+the page's block cannot be read.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ def main(argv: list[str]) -> int:
         print("usage: bench_readme.py [BENCH_JSON]", file=sys.stderr)
         return 2
     source = Path(argv[0]) if argv else artifacts.artifacts_dir("bench") / "bench.json"   # where the bench wrote it
-    readme = REPO / "README.md"
+    page = REPO / "docs" / "performance.md"
     try:
         block = benchreport.readme_block(json.loads(source.read_text(encoding="utf-8")))
-        text = benchreport.splice_readme(readme.read_text(encoding="utf-8"), block)
+        text = benchreport.splice_readme(page.read_text(encoding="utf-8"), block)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"bench_readme: cannot regenerate from {source}: {exc}", file=sys.stderr)
         return 2
-    artifacts.write_atomic(readme, text)
-    print(f"README.md: performance table regenerated from {source}")
+    artifacts.write_atomic(page, text)
+    print(f"docs/performance.md: performance table regenerated from {source}")
     return 0
 
 

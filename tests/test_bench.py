@@ -162,7 +162,7 @@ def test_the_readme_table_is_regenerated_from_the_report_and_nothing_else_change
 
 
 def test_the_repo_readme_has_the_block_and_bad_input_exits_2_writing_nothing(tmp_path):
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "performance.md").read_text()
     assert readme.index(benchreport.README_BEGIN) < readme.index(benchreport.README_END)
     broken = tmp_path / "bench.json"
     broken.write_text("{not json")
@@ -170,7 +170,7 @@ def test_the_repo_readme_has_the_block_and_bad_input_exits_2_writing_nothing(tmp
         out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_readme.py"), *argv],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and not out.stdout, out
-    assert (REPO / "README.md").read_text() == readme
+    assert (REPO / "docs" / "performance.md").read_text() == readme
 
 
 def test_report_scrubs_secrets(tmp_path, monkeypatch):
