@@ -82,7 +82,7 @@ def resolve(value: str) -> Spec:
         if (Path(value) / "setup.py").is_file() and (Path(value) / "vllm").is_dir():
             raise BuildError(f"{OPTION} {value}: a vLLM source checkout is not a build specgate installs yet; "
                              "build a wheel from it over the release's compiled extension (VLLM_USE_PRECOMPILED=1, "
-                             "README: the build under test) and pass that")
+                             "docs/build-under-test.md) and pass that")
         candidates = sorted(glob.glob(os.path.join(glob.escape(value), "*.whl")))
     elif glob.has_magic(value):
         candidates = sorted(glob.glob(value))
