@@ -38,9 +38,10 @@ from specgate import summary as contract  # noqa: E402
 SESSIONS = ("cpu_unit", "cpu_e2e")
 STATUSES = ("running", *contract.FINAL)
 TIMEOUTS = (124, 137)   # GNU timeout: the command timed out; 137 when it also had to SIGKILL
-E2E_COLUMNS = (("nodeid", "test"), ("method", "method"), ("model_source", "model source"), ("runner", "runner"),
-               ("outcome", "outcome"), ("acceptance_len", "acceptance len"), ("threshold", "threshold"),
-               ("matches_baseline", "matches baseline"))
+# "model": the target and draft, a fixture named first (summary.model_label), never a bare hub id it stood in for.
+E2E_COLUMNS = (("nodeid", "test"), ("method", "method"), ("model_source", "model source"), ("model", "model"),
+               ("runner", "runner"), ("outcome", "outcome"), ("acceptance_len", "acceptance len"),
+               ("threshold", "threshold"), ("matches_baseline", "matches baseline"))
 CHART = "acceptance.svg"   # cpu_e2e's chart (specgate.charts), uploaded with artifacts/**
 
 
@@ -76,10 +77,10 @@ def tally(tests: list[dict]) -> str:
 
 
 def render_e2e(tests: list[dict]) -> str:
-    rows = [[t.get(key) for key, _ in E2E_COLUMNS] for t in tests]
+    rows = [[contract.model_label(t) if key == "model" else t.get(key) for key, _ in E2E_COLUMNS] for t in tests]
     notes = [f"- {cell(t['nodeid'])} ({t['outcome']}, {cell(t.get('cause'))}): {cell(t.get('reason'))}"
              for t in tests if t["outcome"] != "passed"]
-    body = table([h for _, h in E2E_COLUMNS], rows, right={5, 6})
+    body = table([h for _, h in E2E_COLUMNS], rows, right={6, 7})
     return body + ("\n\nNot passed:\n" + "\n".join(notes) if notes else "")
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
 
 from specgate import artifacts, drift, history
+from specgate import summary as contract
 
 WIDTH_IN = 10.4   # 748.8 pt = 998 px
 STYLE: dict[RcKeyType, Any] = {"svg.fonttype": "none", "svg.hashsalt": "specgate", "font.size": 11,
@@ -60,12 +61,21 @@ def series(summary: dict[str, Any]) -> dict[str, Series]:
         if key in found:
             found[key].floor = found[key].floor or entry.get("threshold")
             continue
-        model = (entry.get("draft") or entry.get("target") or "?").rsplit("/", 1)[-1]
-        label = f"{entry.get('method')}: {model}"
+        label = f"{entry.get('method')}: {_model(entry, key)}"
         taken = sum(s.label.split(" #")[0] == label for s in found.values())
         found[key] = Series(key, f"{label} #{taken + 1}" if taken else label, entry["acceptance_len"],
                             entry.get("threshold"), drift.position_rates(entry, engines))
     return found
+
+
+def _model(entry: dict[str, Any], key: str) -> str:
+    """The series' checkpoint (the draft, else the target): a hub checkpoint by the last part of
+    its id, a fixture by its own name first, "<fixture> (stand-in for <hub id>)"."""
+    target, draft = contract.model_labels({**entry, "key": key})
+    name, shown = (entry.get("draft"), draft) if entry.get("draft") else (entry.get("target"), target)
+    if shown is None or shown == name:
+        return (name or "?").rsplit("/", 1)[-1]
+    return shown
 
 
 def _run_series(run: history.Run) -> dict[str, Series]:

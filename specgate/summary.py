@@ -105,6 +105,44 @@ def counts(tests: list[dict[str, Any]]) -> dict[str, int]:
             "errors": tally["error"], "skipped": tally["skipped"], "xfailed": tally["xfailed"]}
 
 
+def model_labels(entry: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(target, draft) of a cpu_e2e test entry or engine row, each named for what was loaded:
+    "<fixture> (stand-in for <hub id>)" where a fixture stood in for a hub checkpoint, else the
+    hub id, or the fixture's own name for a fixture used directly (known-answer targets).
+
+    The entry's target and draft are the hub ids the run is about; what was loaded is read from
+    its engine keys (specgate.e2e.runs.Run.key: the target's, then the draft's
+    <fixture or hub id>@<revision> before the method). A fixture entry with no engine key (it
+    never started one) says only that a fixture stood in."""
+    keys = [entry["key"]] if entry.get("key") else list(entry.get("engines") or ())
+    loaded = max(([token.rsplit("@", 1)[0] for token in _leading_idents(key)] for key in keys),
+                 key=len, default=[])
+    labels: list[str | None] = []
+    for position, name in enumerate((entry.get("target"), entry.get("draft"))):
+        fixture = loaded[position] if position < len(loaded) else None
+        if name is None or entry.get("model_source") != "fixture" or fixture == name:
+            labels.append(name)
+        elif fixture is not None:
+            labels.append(f"{fixture} (stand-in for {name})")
+        else:   # no engine key names it; a hub id is owner/name, a fixture's name never has a slash
+            labels.append(f"fixture (stand-in for {name})" if "/" in name else name)
+    return labels[0], labels[1]
+
+
+def model_label(entry: Mapping[str, Any]) -> str | None:
+    """The entry's target and draft (model_labels) as one cell: "target + draft"."""
+    return " + ".join(label for label in model_labels(entry) if label) or None
+
+
+def _leading_idents(key: str) -> list[str]:
+    idents = []
+    for token in key.split():
+        if "@" not in token:
+            break
+        idents.append(token)
+    return idents
+
+
 def read(session: str) -> dict[str, Any] | None:
     try:
         data = json.loads(path(session).read_text(encoding="utf-8"))

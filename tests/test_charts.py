@@ -27,7 +27,8 @@ from specgate import charts, gate, history
 
 REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"
-EAGLE3_SERIES = "eagle3: Llama3_2_1B_speculator.eagle3"
+# The history's eagle3 entry ran on fixtures: the series names the draft's fixture first.
+EAGLE3_SERIES = "eagle3: eagle3-successor (stand-in for nm-testing/Llama3_2_1B_speculator.eagle3)"
 
 
 def parse(path: Path) -> ET.Element:
@@ -76,6 +77,22 @@ def test_series_are_one_per_speculative_engine(tmp_path):
                             "threshold": 3.8})
     [series] = charts.series(record).values()     # two tests, one engine: one series, the first floor kept
     assert series.label == EAGLE3_SERIES and series.floor == 1.5 and series.rates == [0.5, 0.25, 0.0938]
+
+
+def test_a_series_names_a_fixture_first_and_a_hub_checkpoint_as_before():
+    """A fixture that stood in: "<fixture> (stand-in for <hub id>)", never the bare hub id (it reads as
+    real-checkpoint data); a hub checkpoint: the last part of its id; a fixture used directly: its name."""
+    ngram = {**entry("t.py::test_ngram[ngram]", "passed"), "method": "ngram", "model_source": "fixture",
+             "target": "Qwen/Qwen3-0.6B", "draft": None, "acceptance_len": 1.0, "threshold": None,
+             "engines": ["tiny-qwen3@690c46d068 none", "tiny-qwen3@690c46d068 ngram k=3"]}
+    hub = {**ngram, "nodeid": "t.py::test_ngram[hub]", "model_source": "hub",
+           "engines": ["Qwen/Qwen3-0.6B@c1899de289 ngram k=3"]}
+    direct = {**ngram, "nodeid": "t.py::test_known_answer[ngram]", "target": "context-qwen3",
+              "engines": ["context-qwen3@84941542d7 ngram k=3"]}
+    engines = [{"key": k, "method": "ngram", "counters": {}} for t in (ngram, hub, direct) for k in t["engines"][-1:]]
+    record = {"tests": [ngram, hub, direct], "engines": engines}
+    assert [s.label for s in charts.series(record).values()] == [
+        "ngram: tiny-qwen3 (stand-in for Qwen/Qwen3-0.6B)", "ngram: Qwen3-0.6B", "ngram: context-qwen3"]
 
 
 def test_a_run_that_drafted_nothing_says_so(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from contract import VALIDATOR, read_valid
 
 from specgate import engine, knownanswer, pytestrun
 from specgate import manifest as m
+from specgate import summary as contract
 from specgate.e2e import compare, planning, report, runs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -248,6 +250,29 @@ def test_merge_fills_rows_from_records(tmp_path):
     engines = report.engine_rows(recorder.read())
     assert report.compile_backend(engines) == "inductor"
     assert "1 engine starts: 12.5 s in all" in report.format_report(rows, engines)
+
+
+def test_the_report_names_a_fixture_before_the_checkpoint_it_stands_in_for():
+    fixture = {"nodeid": "t.py::test_v1_matches_baseline[dflash-v1]", "outcome": "passed", "time_s": 1.0,
+               "reason": None, **dict.fromkeys(report.MEASURED_FIELDS), "method": "dflash", "model_source": "fixture",
+               "target": "Qwen/Qwen3-4B", "draft": "z-lab/Qwen3-4B-DFlash-b16", "runner": "v1",
+               "engines": ["tiny-qwen3@690c46d068 none", "tiny-qwen3@690c46d068 dflash-random@0bcc402f61 dflash k=4"]}
+    skipped = {**fixture, "nodeid": "t.py::test_v2_speculator_smoke[dflash-v2]", "outcome": "skipped", "engines": None}
+    hub = {**fixture, "nodeid": "t.py::test_v1_matches_baseline[hub]", "model_source": "hub",
+           "engines": ["Qwen/Qwen3-4B@1cfa9a7208 z-lab/Qwen3-4B-DFlash-b16@0123456789 dflash k=4"]}
+    header, _, *cells = [re.split(r"\s{2,}", line) for line in report.format_report([fixture, skipped, hub],
+                                                                                     []).splitlines()]
+    assert header[2:4] == ["source", "model"]
+    assert [row[2:4] for row in cells] == [
+        ["fixture", "tiny-qwen3 (stand-in for Qwen/Qwen3-4B) + dflash-random (stand-in for z-lab/Qwen3-4B-DFlash-b16)"],
+        # No engine started: no fixture name to give, but never the bare hub id.
+        ["fixture", "fixture (stand-in for Qwen/Qwen3-4B) + fixture (stand-in for z-lab/Qwen3-4B-DFlash-b16)"],
+        ["hub", "Qwen/Qwen3-4B + z-lab/Qwen3-4B-DFlash-b16"]]
+    # An engine row (its key, no engines list) reads the same way.
+    row = {"key": fixture["engines"][1], "model_source": "fixture", "target": "Qwen/Qwen3-4B",
+           "draft": "z-lab/Qwen3-4B-DFlash-b16"}
+    assert contract.model_labels(row) == ("tiny-qwen3 (stand-in for Qwen/Qwen3-4B)",
+                                          "dflash-random (stand-in for z-lab/Qwen3-4B-DFlash-b16)")
 
 
 def test_compile_backend_reports_a_mix():

@@ -165,15 +165,18 @@ def entry(nodeid: str, outcome: str, cause: str | None = None, reason: str | Non
 
 
 def e2e(name: str, outcome: str, method: str, source: str, acceptance: float | None, threshold: float,
-        matches: bool | None, cause: str | None = None, reason: str | None = None) -> dict:
+        matches: bool | None, cause: str | None = None, reason: str | None = None, **models) -> dict:
     return entry(f"tests/e2e/test_spec_decode.py::test_acceptance[{name}]", outcome, cause, reason, method=method,
                  model_source=source, runner="v1", acceptance_len=acceptance, threshold=threshold,
-                 matches_baseline=matches)
+                 matches_baseline=matches, **models)
 
 
 E2E_TESTS = [
-    e2e("eagle3-tiny-qwen3", "passed", "eagle3", "fixture", 4.0, 3.5, True),
-    e2e("ngram-tiny-qwen3", "failed", "ngram", "hub", 1.31, 2.0, False, "regression", "acceptance 1.310 < floor 2.000"),
+    e2e("eagle3-tiny-qwen3", "passed", "eagle3", "fixture", 4.0, 3.5, True, target="Qwen/Qwen3-0.6B",
+        draft="AngelSlim/Qwen3-0.6B_eagle3", engines=["tiny-qwen3@690c46d068 none",
+                                                    "tiny-qwen3@690c46d068 eagle3-random@1a2b3c4d5e eagle3 k=3"]),
+    e2e("ngram-tiny-qwen3", "failed", "ngram", "hub", 1.31, 2.0, False, "regression", "acceptance 1.310 < floor 2.000",
+        target="Qwen/Qwen3-0.6B", engines=["Qwen/Qwen3-0.6B@c1899de289 ngram k=3"]),
     e2e("mtp-qwen3_5", "skipped", "mtp", "fixture", None, 2.0, None, "env-blocked",
         "torchvision is not importable (No module named 'torchvision')"),
 ]
@@ -242,11 +245,16 @@ def test_annotate_renders_the_acceptance_and_causes_tables(write_summary):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"#### cpu_e2e: 1 failed, 1 passed, 1 skipped ({NAMED}, exit 1)" in out
-    assert "| test | method | model source | runner | outcome | acceptance len | threshold | matches baseline |" in out
-    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3] | ngram | hub | v1 | failed | 1.310 "
-            "| 2.000 | no |") in out
-    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] | mtp | fixture | v1 | skipped | – | 2.000 "
-            "| – |") in out
+    assert ("| test | method | model source | model | runner | outcome | acceptance len | threshold "
+            "| matches baseline |") in out
+    # A fixture's row names the fixture first, then the hub checkpoint it stands in for.
+    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[eagle3-tiny-qwen3] | eagle3 | fixture "
+            "| tiny-qwen3 (stand-in for Qwen/Qwen3-0.6B) + eagle3-random (stand-in for AngelSlim/Qwen3-0.6B_eagle3) "
+            "| v1 | passed | 4.000 | 3.500 | yes |") in out
+    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[ngram-tiny-qwen3] | ngram | hub | Qwen/Qwen3-0.6B | v1 "
+            "| failed | 1.310 | 2.000 | no |") in out
+    assert ("| tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] | mtp | fixture | – | v1 | skipped | – "
+            "| 2.000 | – |") in out
     assert ("- tests/e2e/test_spec_decode.py::test_acceptance[mtp-qwen3_5] (skipped, env-blocked): torchvision is not "
             "importable") in out
     assert f"#### cpu_unit: 1 failed, 1 passed ({NAMED}, exit 75)" in out

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specgate import artifacts, exitcodes, pytestrun
+from specgate import summary as contract
 from specgate.e2e.runs import Run
 
 RECORDS_VAR = "SPECGATE_E2E_RECORDS"
@@ -106,11 +107,11 @@ def session_exit_code(pytest_code: int, rows: Sequence[dict[str, Any]]) -> int:
 
 
 def format_report(rows: Sequence[dict[str, Any]], engines: Sequence[dict[str, Any]]) -> str:
-    short = [[_short_test(r["nodeid"]), r["method"], r["model_source"], r["runner"], r["outcome"],
-              r["drafts"], r["drafted_tokens"], r["accepted_tokens"], _fmt(r["acceptance_len"]), _fmt(r["threshold"]),
-              r["matches_baseline"], r["time_s"]] for r in rows]
-    lines = [artifacts.format_rows(["test", "method", "source", "runner", "outcome", "drafts", "drafted", "accepted",
-                                    "accept_len", "floor", "=baseline", "time_s"], short)]
+    short = [[_short_test(r["nodeid"]), r["method"], r["model_source"], contract.model_label(r), r["runner"],
+              r["outcome"], r["drafts"], r["drafted_tokens"], r["accepted_tokens"], _fmt(r["acceptance_len"]),
+              _fmt(r["threshold"]), r["matches_baseline"], r["time_s"]] for r in rows]
+    lines = [artifacts.format_rows(["test", "method", "source", "model", "runner", "outcome", "drafts", "drafted",
+                                    "accepted", "accept_len", "floor", "=baseline", "time_s"], short)]
     reasons = [f"  {_short_test(r['nodeid'])}: {r['reason']}" for r in rows if r["outcome"] != "passed" and r["reason"]]
     if reasons:
         lines += ["", "reasons:", *reasons]
