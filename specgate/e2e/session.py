@@ -15,7 +15,6 @@ Exit codes: 0 passed (every skip names its reason), 1 a failure, 2 bad input,
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -80,13 +79,11 @@ def run_tests(manifest: Manifest, session: str, plan: dict[str, Any], out: Path,
     engine_env = Settings(**plan["settings"]).child_env()
     print("compile caches: " + ", ".join(f"{k}={env[k]}" for k in sorted(compilecache.compile_cache_env()))
           + "; engine processes add " + ", ".join(f"{k}={v}" for k, v in engine_env.items()), flush=True)
-    started = time.monotonic()
-    code = pytestrun.run_pytest(["-m", "e2e", "-rA", "-p", "no:cacheprovider", TESTS_DIR, *pytest_args],
-                                junit, cwd=REPO_ROOT, env=env, log=out / "pytest.log")
-    wall_s = round(time.monotonic() - started, 2)
+    code, wall_s = pytestrun.run_pytest_timed(["-m", "e2e", "-rA", "-p", "no:cacheprovider", TESTS_DIR,
+                                               *pytest_args], junit, cwd=REPO_ROOT, env=env, log=out / "pytest.log")
     recorded = Recorder(records).read()
     rows = merge_results(pytestrun.read_junit(junit) if junit.is_file() else [], recorded)
-    return TestRun(code, rows, engine_rows(recorded), env, wall_s)
+    return TestRun(code, rows, engine_rows(recorded), env, round(wall_s, 2))
 
 
 def step(ctx: lifecycle.Context) -> int:
