@@ -706,9 +706,37 @@ def _fixture(manifest: Manifest, name: str) -> Fixture:
         raise FixtureError(f"unknown fixture {name!r} (known: {known})") from None
 
 
+DIGESTS = "specgate-digests.json"   # written last into a built fixture: its files' sizes and sha256
+
+
 def fixture_dir(manifest: Manifest, name: str) -> Path:
     """Where the fixture lives once built (it may not exist yet)."""
     return cache_root() / "fixtures" / f"{name}-{fixture_hash(_fixture(manifest, name))}"
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file of a fixture folder but the digests file itself."""
+    return {path.name: {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            for path in sorted(folder.iterdir()) if path.is_file() and path.name != DIGESTS}
+
+
+def damage(folder: Path, *, full: bool) -> str | None:
+    """What is wrong with a built fixture folder (None: it is whole). Sizes always; sha256 too
+    when `full` (warm_cache): a job killed mid-write or a full disk leaves a short file, a bad
+    disk a changed one. A folder without its digests predates them and cannot be trusted."""
+    try:
+        recorded = json.loads((folder / DIGESTS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"{DIGESTS} missing or unreadable"
+    for name, want in recorded.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} missing"
+        if path.stat().st_size != want["size"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['size']} when built"
+        if full and hashlib.sha256(path.read_bytes()).hexdigest() != want["sha256"]:
+            return f"{name} does not match the sha256 it had when built"
+    return None
 
 
 def _write(built: Built, dest: Path, record: dict[str, Any]) -> None:
@@ -723,6 +751,7 @@ def _write(built: Built, dest: Path, record: dict[str, Any]) -> None:
              **_tokenizer_files()}
     for filename, text in files.items():
         (dest / filename).write_text(text, encoding="utf-8")
+    (dest / DIGESTS).write_text(json.dumps(file_digests(dest), indent=2) + "\n", encoding="utf-8")   # last: complete
 
 
 def build(fixture: Fixture, dest: Path) -> None:
@@ -733,22 +762,28 @@ def build(fixture: Fixture, dest: Path) -> None:
     _write(built, dest, record)
 
 
-def ensure(manifest: Manifest, name: str) -> Path:
-    """The fixture's checkpoint folder, built if missing. Concurrent callers (threads or
-    processes) wait on one file lock, so exactly one builds; the build goes to a temporary
-    folder that is renamed into place, so a killed build never leaves half a fixture."""
+def ensure(manifest: Manifest, name: str, *, full: bool = False) -> Path:
+    """The fixture's checkpoint folder, built if missing and rebuilt if damaged (sizes checked
+    on every use, sha256 too when `full`), so a broken cache is repaired, never a test failure.
+    Concurrent callers (threads or processes) wait on one file lock, so exactly one builds; the
+    build goes to a temporary folder that is renamed into place, so a killed build never leaves
+    half a fixture, and a damaged one is moved aside whole (a reader keeps its open files)."""
     from filelock import FileLock
 
     path = fixture_dir(manifest, name)
-    if path.is_dir():
+    if path.is_dir() and damage(path, full=full) is None:
         return path
     with FileLock(str(path.parent / f".{path.name}.lock")):
-        if path.is_dir():
+        found = damage(path, full=full) if path.is_dir() else None
+        if path.is_dir() and found is None:
             return path
         for stale in path.parent.glob(f".{path.name}.tmp*"):
-            shutil.rmtree(stale, ignore_errors=True)      # left by a killed build; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)      # left by a killed build or repair; we hold the lock
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
         try:
+            if found is not None:
+                print(f"fixture {name}: {found}; rebuilding it", file=sys.stderr, flush=True)
+                os.replace(path, tmp / "damaged")
             build(manifest.fixtures[name], tmp / "out")
             os.replace(tmp / "out", path)
         finally:
@@ -756,9 +791,9 @@ def ensure(manifest: Manifest, name: str) -> Path:
     return path
 
 
-def ensure_all(manifest: Manifest, names: Sequence[str] | None = None) -> dict[str, Path]:
+def ensure_all(manifest: Manifest, names: Sequence[str] | None = None, *, full: bool = False) -> dict[str, Path]:
     chosen = list(manifest.fixtures) if names is None else list(names)
-    return {name: ensure(manifest, name) for name in chosen}
+    return {name: ensure(manifest, name, full=full) for name in chosen}
 
 
 def describe(manifest: Manifest, name: str) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def run(manifest: Manifest, suites: list[str] | None, mode: str, record: dict, *
         raise cli.BadInput(f"unknown suite {', '.join(unknown)} (known: {', '.join(sorted(known_suites(manifest)))})")
     from specgate import fixtures
 
-    fixture_paths = fixtures.ensure_all(manifest)
+    fixture_paths = fixtures.ensure_all(manifest, full=True)   # where full hashing belongs: once per job
     hub = Hub(sources.hub_cache(cache_dir), backoff_s, envpin.online_env(manifest))
     rows = [warm_one(manifest, ckpt, mode, hub) for ckpt in manifest.checkpoints_for(suites)]
     code = exitcodes.INCOMPLETE if any(r.source.status == "missing" for r in rows) else exitcodes.OK

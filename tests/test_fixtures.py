@@ -188,6 +188,30 @@ def test_sigkilled_build_leaves_no_fixture_and_the_next_ensure_recovers(tmp_path
     assert not list(final.parent.glob(f".{final.name}.tmp*")), "ensure() cleared it under the lock"
 
 
+def test_a_damaged_fixture_is_rebuilt_before_use_never_served(tmp_path, monkeypatch, capsys):
+    """A job killed mid-write or a full disk leaves a short file: every use checks the sizes and
+    rebuilds; a changed byte of the same size is found where full hashing runs (warm_cache)."""
+    monkeypatch.setenv("SPECGATE_CACHE_DIR", str(tmp_path / "cache"))
+    manifest = load()
+    path = fixtures.ensure(manifest, "tiny-qwen3")
+    good = _digests(path)
+    assert json.loads((path / fixtures.DIGESTS).read_text()) == fixtures.file_digests(path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])   # truncated to half
+    assert fixtures.ensure(manifest, "tiny-qwen3") == path and _digests(path) == good
+    assert f"model.safetensors has {len(weights.read_bytes()) // 2} bytes" in capsys.readouterr().err
+
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF                                                            # same size, one byte changed
+    weights.write_bytes(bytes(data))
+    assert fixtures.ensure(manifest, "tiny-qwen3") == path and _digests(path) != good   # a use: sizes only
+    assert fixtures.ensure(manifest, "tiny-qwen3", full=True) == path and _digests(path) == good
+    assert "does not match the sha256 it had when built" in capsys.readouterr().err
+    (path / fixtures.DIGESTS).unlink()                                          # built before digests existed
+    assert fixtures.ensure(manifest, "tiny-qwen3") == path and _digests(path) == good
+    assert not list(path.parent.glob(f".{path.name}.tmp*"))                     # the damaged folder is gone
+
+
 def test_describe_reports_facts_and_the_known_answer_rule(built, use_cache):
     manifest = load()
     for name, path in built.items():
