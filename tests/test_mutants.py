@@ -41,7 +41,17 @@ PATCHED = {   # mutant -> (module, attribute path) it replaces
     "bonus-dropped": ("vllm.v1.sample.rejection_sampler", "rejection_sample"),
     "draft-hidden-shifted": ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose"),
     "ngram-wrong-offset": ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner.propose_draft_token_ids"),
+    "uniform-constant": ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs"),
+    "draft-target-swapped": ("vllm.utils.cpu_triton_utils", "_rejection_random_sample_kernel_impl"),
+    "recovered-from-target": ("vllm.utils.cpu_triton_utils", "_sample_recovered_tokens_kernel_impl"),
+    "rejected-draft-not-excluded": ("vllm.utils.cpu_triton_utils", "_sample_recovered_tokens_kernel_impl"),
+    "bonus-argmax": ("vllm.v1.sample.sampler", "Sampler.forward"),
+    "temperature-not-applied": ("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints"),
+    "top-k-top-p-not-applied": ("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints"),
+    "generators-ignored": ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs"),
+    "draws-for-undrafted": ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs"),
 }
+SAMPLING = list(PATCHED)[8:]          # the random-sampling (temperature > 0) mutants
 
 PROBE = """
 import importlib, json, sys
@@ -101,6 +111,289 @@ def test_the_patched_signatures_are_the_ones_the_patches_assume():
     assert "target_hidden_states" in inspect.signature(SpecDecodeBaseProposer.propose).parameters
     assert list(inspect.signature(NgramProposer.propose).parameters)[:5] == [
         "self", "num_speculative_tokens", "sampled_token_ids", "num_tokens_no_spec", "token_ids_cpu"]
+
+
+def test_the_sampling_patches_assume_vllms_signatures_and_leave_the_expand_repair_alone():
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    def names(function):
+        return list(inspect.signature(function).parameters)
+
+    assert names(rejection_sampler.generate_uniform_probs) == ["num_tokens", "num_draft_tokens", "generators", "device"]
+    assert names(rejection_sampler.sample_recovered_tokens)[:7] == [
+        "max_spec_len", "num_draft_tokens", "cu_num_draft_tokens", "draft_token_ids", "draft_probs", "target_probs",
+        "sampling_metadata"]
+    assert names(rejection_sampler.apply_sampling_constraints) == ["logits", "cu_num_draft_tokens", "sampling_metadata"]
+    assert names(Sampler.forward) == ["self", "logits", "sampling_metadata", "predict_bonus_token",
+                                      "logprobs_mode_override"]
+    assert {"draft_probs", "target_probs"} <= set(names(cpu_triton_utils._rejection_random_sample_kernel_impl))
+    assert {"draft_probs", "target_probs", "NO_DRAFT_PROBS"} <= set(
+        names(cpu_triton_utils._sample_recovered_tokens_kernel_impl))
+    assert names(CPUModelRunner._dummy_sampler_run)[:2] == ["self", "hidden_states"]
+    # Another hook repairs vLLM #55005 there: no mutant may replace it.
+    assert not [m.name for m in catalogue.CATALOGUE if any("_expand_kernel_impl" in t for t in m.patches)]
+
+
+SAMPLING_PROBE = """
+import importlib, json
+import torch
+from vllm.platforms.cpu import CpuPlatform
+from vllm.utils import cpu_triton_utils
+from vllm.v1.sample import rejection_sampler as rs
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from specgate.mutants import catalogue
+
+
+def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    # vLLM #55005 repaired as the engine host does it: the mutants must compose with this wrapper.
+    ends = cu_num_tokens.to(torch.int64)
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    output.copy_(torch.repeat_interleave(values, torch.diff(ends, prepend=ends.new_zeros(1))))
+
+
+cpu_triton_utils._expand_kernel_impl = expand
+CpuPlatform.register_triton_kernel_overrides()
+torch.manual_seed(0)
+V, R, D = 8, 8, 3                                                   # vocab, requests, drafts per request
+DRAFTS = torch.tensor([1, 2, 3] * R, dtype=torch.int32)
+ONE_HOT = torch.nn.functional.one_hot(DRAFTS.long(), V).float()     # a drafter sure of its drafts
+CU = torch.arange(1, R + 1, dtype=torch.int32) * D
+
+
+def meta(temperature, generators=None, top_k=None):
+    t = torch.tensor(temperature, dtype=torch.float32)
+    n = len(temperature)
+    return SamplingMetadata(
+        temperature=t, all_greedy=bool((t == 0).all()), all_random=bool((t > 0).all()), top_p=None,
+        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32), generators=generators or {},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+
+
+def seeded(n=R):
+    return {i: torch.Generator().manual_seed(i) for i in range(n)}
+
+
+def target_logits(p_draft):
+    # At every drafted position the target gives the draft p_draft and the other tokens the rest evenly.
+    probs = torch.full((R * D, V), (1 - p_draft) / (V - 1))
+    probs[torch.arange(R * D), DRAFTS.long()] = p_draft
+    return probs.log()
+
+
+def verify(p_draft, draft_probs):
+    # rejection_sample's rows (emitted tokens, bonus 7, then -1) for seeded requests at temperature 1.
+    bonus = torch.full((R, 1), 7, dtype=torch.int32)
+    rows = rs.rejection_sample(DRAFTS, [D] * R, D, CU, draft_probs, target_logits(p_draft), bonus,
+                               meta([1.0] * R, seeded()))
+    return rows.tolist()
+
+
+def recovered_drafts(draft_probs):
+    # How many drafted positions would be replaced by their own draft if rejected (p(draft) = 0.9).
+    probs = target_logits(0.9).softmax(dim=-1)
+    recovered = rs.sample_recovered_tokens(D, [D] * R, CU, DRAFTS, draft_probs, probs, meta([1.0] * R), "cpu")
+    return int((recovered == DRAFTS).sum())
+
+
+def states(generators):
+    return [g.get_state() for g in generators.values()]
+
+
+def advanced(draw, generators):
+    before = states(generators)
+    draw(generators)
+    return [not torch.equal(a, b) for a, b in zip(before, states(generators))]
+
+
+def one_draw_more():
+    generators = seeded(2)
+    rs.generate_uniform_probs(2, [0, 2], generators, "cpu")
+    reference = torch.Generator().manual_seed(0)
+    torch.empty(1, dtype=torch.float64).uniform_(generator=reference)
+    return torch.equal(generators[0].get_state(), reference.get_state())
+
+
+def bonus(predict_bonus_token):
+    logits = torch.full((16, V), 0.1).log()
+    logits[:, 3] = torch.tensor(0.3).log()                          # the argmax, sampled 30% of the time
+    out = Sampler()(logits=logits, sampling_metadata=meta([0.0] + [1.0] * 15),
+                    predict_bonus_token=predict_bonus_token).sampled_token_ids
+    return {"tokens": out[:, 0].tolist(), "dtype": str(out.dtype), "shape": list(out.shape)}
+
+
+RAW = torch.randn(5, V)
+COUNTS = [2, 1, 2]                                                  # drafts of three requests
+
+
+def constrained(temperature, top_k=None):
+    cu = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = rs.apply_sampling_constraints(RAW.clone(), cu, meta(temperature, top_k=top_k))
+    t = torch.tensor(temperature)
+    per_token = torch.where(t == 0, 1.0, t).repeat_interleave(torch.tensor(COUNTS))[:, None]
+    kept = out.isfinite()
+    return {"unscaled": bool(torch.allclose(out[kept], RAW[kept])),
+            "scaled": bool(torch.allclose(out[kept], (RAW / per_token)[kept])), "masked": (~kept).sum(1).tolist()}
+
+
+def fired(part):
+    before = catalogue._fired
+    return {"out": part(), "fired": catalogue._fired - before}
+
+
+RECOVERY = lambda: {"probabilistic": fired(lambda: recovered_drafts(ONE_HOT)),
+                    "no_draft_probs": fired(lambda: recovered_drafts(None))}
+CONSTRAINTS = lambda: {"top_k": fired(lambda: constrained([0.5, 0.0, 2.0], top_k=[2, 2, 2])),
+                       "temperature_1": fired(lambda: constrained([1.0, 0.0, 1.0], top_k=[2, 2, 2])),
+                       "no_top_k": fired(lambda: constrained([0.5, 0.0, 2.0]))}
+CASES = {
+    "uniform-constant": lambda: {
+        "uniform": fired(lambda: rs.generate_uniform_probs(6, [3, 0, 3], {}, "cpu").tolist()),
+        "verify": fired(lambda: verify(0.6, None))},
+    "draft-target-swapped": lambda: {
+        "probabilistic": fired(lambda: verify(0.01, ONE_HOT)), "no_draft_probs": fired(lambda: verify(0.01, None))},
+    "recovered-from-target": RECOVERY,
+    "rejected-draft-not-excluded": RECOVERY,
+    "bonus-argmax": lambda: {"bonus": fired(lambda: bonus(True)), "not_bonus": fired(lambda: bonus(False))},
+    "temperature-not-applied": CONSTRAINTS,
+    "top-k-top-p-not-applied": CONSTRAINTS,
+    "generators-ignored": lambda: {
+        "uniform": fired(lambda: advanced(lambda g: rs.generate_uniform_probs(4, [2, 2], g, "cpu"), seeded(2))),
+        "recovery": fired(lambda: advanced(lambda g: rs.sample_recovered_tokens(
+            D, [D] * R, CU, DRAFTS, None, target_logits(0.5).softmax(dim=-1), meta([1.0] * R, g), "cpu"), seeded())),
+        "undrafted": fired(lambda: advanced(lambda g: rs.generate_uniform_probs(2, [0, 2], g, "cpu"), seeded(1)))},
+    "draws-for-undrafted": lambda: {
+        "advanced": fired(lambda: advanced(lambda g: rs.generate_uniform_probs(2, [0, 2], g, "cpu"), seeded(2))),
+        "one_draw": fired(one_draw_more),
+        "uniform": fired(lambda: rs.generate_uniform_probs(2, [0, 2], seeded(2), "cpu").tolist())},
+}
+
+
+def resolve(target):
+    module, _, path = target.partition(":")
+    *owners, attr = path.split(".")
+    owner = importlib.import_module(module)
+    for name in owners:
+        owner = getattr(owner, name)
+    return owner, attr
+
+
+def mutated(name, case):
+    # The case with the mutant installed, then once more inside a stand-in profile run; then vLLM as it was.
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in map(resolve, catalogue.MUTANTS[name].patches)]
+    CPUModelRunner._dummy_sampler_run = lambda self, hidden_states: case()
+    catalogue.install(name)
+    CpuPlatform.register_triton_kernel_overrides()
+    try:
+        out = case()
+        counted = catalogue._fired
+        CPUModelRunner._dummy_sampler_run(None, None)
+        return {**out, "fired_in_profile_run": catalogue._fired - counted,
+                "expand_repaired": cpu_triton_utils._expand_kernel_impl is expand}
+    finally:
+        catalogue.take_fired()
+        for owner, attr, value in saved:
+            setattr(owner, attr, value)
+        CpuPlatform.register_triton_kernel_overrides()
+
+
+print(json.dumps({name: {"base": case(), "mutant": mutated(name, case)} for name, case in CASES.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def sampling():
+    """Each random-sampling mutant's cases through the real vLLM functions on tiny tensors, without
+    and with the mutant (installed, CPU kernels re-registered, then undone): one fresh process."""
+    out = subprocess.run([sys.executable, "-c", SAMPLING_PROBE], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+ALL_ACCEPTED = [[1, 2, 3, 7]] * 8      # the probe's drafts 1, 2, 3 and bonus 7, for each of its 8 requests
+
+
+def test_the_sampling_mutants_ran_with_the_expand_repair_and_do_not_count_the_profile_run(sampling):
+    assert list(sampling) == SAMPLING
+    for name in SAMPLING:
+        mutant = sampling[name]["mutant"]
+        assert catalogue.PROFILE_RUN in catalogue.MUTANTS[name].patches, name
+        assert mutant["expand_repaired"] and mutant["fired_in_profile_run"] == 0, name
+
+
+def test_uniform_constant_tests_every_draft_against_one_half(sampling):
+    base, mutant = sampling["uniform-constant"]["base"], sampling["uniform-constant"]["mutant"]
+    assert mutant["uniform"] == {"out": [0.5] * 6, "fired": 1} and 0.5 not in base["uniform"]["out"]
+    # p(draft) = 0.6 >= 0.5 everywhere: every draft is accepted, where real draws reject some.
+    assert mutant["verify"] == {"out": ALL_ACCEPTED, "fired": 1} and base["verify"]["out"] != ALL_ACCEPTED
+
+
+def test_draft_target_swapped_accepts_with_q_over_p_and_only_with_draft_probabilities(sampling):
+    base, mutant = sampling["draft-target-swapped"]["base"], sampling["draft-target-swapped"]["mutant"]
+    # q one-hot on each draft, p(draft) = 0.01: p/q rejects almost every draft, q/p = 100 accepts all.
+    assert mutant["probabilistic"] == {"out": ALL_ACCEPTED, "fired": 1}
+    assert ALL_ACCEPTED[0] not in base["probabilistic"]["out"]
+    assert mutant["no_draft_probs"] == base["no_draft_probs"]
+
+
+def test_recovered_from_target_can_return_the_rejected_draft_only_with_draft_probabilities(sampling):
+    base, mutant = sampling["recovered-from-target"]["base"], sampling["recovered-from-target"]["mutant"]
+    assert base["probabilistic"]["out"] == 0          # max(0, p - q) is 0 at a one-hot draft
+    assert mutant["probabilistic"]["out"] > 0 and mutant["probabilistic"]["fired"] == 1
+    assert mutant["no_draft_probs"] == base["no_draft_probs"] == {"out": 0, "fired": 0}
+
+
+def test_rejected_draft_not_excluded_can_return_it_only_without_draft_probabilities(sampling):
+    base, mutant = sampling["rejected-draft-not-excluded"]["base"], sampling["rejected-draft-not-excluded"]["mutant"]
+    assert base["no_draft_probs"]["out"] == 0         # NO_DRAFT_PROBS masks the draft out of p
+    assert mutant["no_draft_probs"]["out"] > 0 and mutant["no_draft_probs"]["fired"] == 1
+    assert mutant["probabilistic"] == base["probabilistic"] == {"out": 0, "fired": 0}
+
+
+def test_bonus_argmax_takes_the_argmax_for_sampling_rows_of_the_bonus_call_only(sampling):
+    base, mutant = sampling["bonus-argmax"]["base"], sampling["bonus-argmax"]["mutant"]
+    assert set(base["bonus"]["out"]["tokens"]) != {3}                 # the argmax 3 has p = 0.3
+    assert mutant["bonus"]["out"] == {**base["bonus"]["out"], "tokens": [3] * 16}       # same dtype and shape
+    assert 0 < mutant["bonus"]["fired"] <= 15                         # one per sampled row it changed
+    assert mutant["not_bonus"]["fired"] == 0 and set(mutant["not_bonus"]["out"]["tokens"]) != {3}
+
+
+def test_temperature_not_applied_leaves_the_logits_unscaled_but_top_k_applied(sampling):
+    base, mutant = sampling["temperature-not-applied"]["base"], sampling["temperature-not-applied"]["mutant"]
+    assert base["top_k"]["out"] == {"unscaled": False, "scaled": True, "masked": [6] * 5}
+    assert mutant["top_k"] == {"out": {"unscaled": True, "scaled": False, "masked": [6] * 5}, "fired": 1}
+    assert mutant["temperature_1"] == base["temperature_1"] and mutant["temperature_1"]["fired"] == 0
+
+
+def test_top_k_top_p_not_applied_leaves_every_token_but_scales(sampling):
+    base, mutant = sampling["top-k-top-p-not-applied"]["base"], sampling["top-k-top-p-not-applied"]["mutant"]
+    assert base["top_k"]["out"]["masked"] == [6] * 5
+    assert mutant["top_k"] == {"out": {"unscaled": False, "scaled": True, "masked": [0] * 5}, "fired": 1}
+    assert mutant["no_top_k"] == base["no_top_k"] and mutant["no_top_k"]["fired"] == 0
+
+
+def test_generators_ignored_leaves_the_seeded_streams_untouched_in_verification(sampling):
+    base, mutant = sampling["generators-ignored"]["base"], sampling["generators-ignored"]["mutant"]
+    assert base["uniform"]["out"] == [True] * 2 and base["recovery"]["out"] == [True] * 8
+    assert mutant["uniform"] == {"out": [False] * 2, "fired": 1}
+    assert mutant["recovery"] == {"out": [False] * 8, "fired": 1}
+    assert mutant["undrafted"] == base["undrafted"] == {"out": [False], "fired": 0}   # its generator is not used
+
+
+def test_draws_for_undrafted_takes_one_draw_from_a_request_without_drafts(sampling):
+    base, mutant = sampling["draws-for-undrafted"]["base"], sampling["draws-for-undrafted"]["mutant"]
+    assert base["advanced"]["out"] == [False, True] and not base["one_draw"]["out"]
+    assert mutant["advanced"] == {"out": [True, True], "fired": 1} and mutant["one_draw"]["out"]
+    assert mutant["uniform"]["out"] == base["uniform"]["out"]         # the drafted request's draws are unchanged
 
 
 CHILD = """

@@ -170,6 +170,192 @@ def _drop_bonus(row: Any, drafts: Any, target_logits: Any, bonus: Any) -> bool:
     return True
 
 
+# --------------------------------------------------------------------------- random-sampling verification
+
+# A request that samples (temperature > 0) verifies draft i by accepting it when u <= p/q (u uniform,
+# p the target's and q the drafter's probability of the draft; q = 1 for drafts without
+# probabilities), replaces the first rejected one by a draw from the residual max(0, p - q) (the
+# draft itself excluded when q is one-hot), and appends a bonus token sampled from p when all pass.
+
+def _sampling_mutant(install: Callable[[], None]) -> Callable[[], None]:
+    """`install`, firing only outside the engine's profile run."""
+    def installed() -> None:
+        _uncounted_in_profile_runs()
+        install()
+
+    return installed
+
+
+def _uncounted_in_profile_runs() -> None:
+    """The CPU worker's warm-up profile run (vLLM's _dummy_sampler_run, in every engine that
+    compiles, as specgate's do) sends dummy requests at temperature 0.5 through the rejection
+    sampler: a change there is discarded and says nothing about the checks, so it does not count."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    run = CPUModelRunner._dummy_sampler_run
+
+    def patched(self, *args, **kwargs):
+        global _fired
+        fired = _fired
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            _fired = fired
+
+    CPUModelRunner._dummy_sampler_run = patched
+
+
+def _uniform_constant() -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    generate = rejection_sampler.generate_uniform_probs
+
+    def patched(num_tokens, num_draft_tokens, generators, device):
+        # Drawn as before, so the seeded streams stay as they were: only the acceptance test changes.
+        uniform = generate(num_tokens, num_draft_tokens, generators, device)
+        if num_tokens:
+            uniform.fill_(0.5)
+            _fire()
+        return uniform
+
+    rejection_sampler.generate_uniform_probs = patched
+
+
+def _draws_for_undrafted() -> None:
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    generate = rejection_sampler.generate_uniform_probs
+
+    def patched(num_tokens, num_draft_tokens, generators, device):
+        for index, generator in generators.items():
+            if not num_draft_tokens[index]:
+                torch.empty(1, dtype=torch.float64, device=device).uniform_(generator=generator)
+                _fire()
+        return generate(num_tokens, num_draft_tokens, generators, device)
+
+    rejection_sampler.generate_uniform_probs = patched
+
+
+def _generators_ignored() -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    generate, recover = rejection_sampler.generate_uniform_probs, rejection_sampler.sample_recovered_tokens
+
+    def uses_one(num_draft_tokens: list[int], generators: dict[int, Any]) -> bool:
+        return any(num_draft_tokens[index] for index in generators)
+
+    def uniform(num_tokens, num_draft_tokens, generators, device):
+        if uses_one(num_draft_tokens, generators):
+            generators = {}
+            _fire()
+        return generate(num_tokens, num_draft_tokens, generators, device)
+
+    def recovered(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                  sampling_metadata, *args, **kwargs):
+        if uses_one(num_draft_tokens, sampling_metadata.generators):
+            sampling_metadata = dataclasses.replace(sampling_metadata, generators={})
+            _fire()
+        return recover(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                       sampling_metadata, *args, **kwargs)
+
+    rejection_sampler.generate_uniform_probs = uniform
+    rejection_sampler.sample_recovered_tokens = recovered
+
+
+def _constrained_with(change: Callable[[Any], dict[str, Any]]) -> None:
+    """Run apply_sampling_constraints (temperature, top-k, top-p of the drafted positions' target
+    logits) on sampling metadata with the fields `change(sampling_metadata)` returns replaced."""
+    from vllm.v1.sample import rejection_sampler
+
+    constrain = rejection_sampler.apply_sampling_constraints
+
+    def patched(logits, cu_num_draft_tokens, sampling_metadata):
+        fields = {} if sampling_metadata.all_greedy else change(sampling_metadata)
+        if fields:
+            sampling_metadata = dataclasses.replace(sampling_metadata, **fields)
+            _fire()
+        return constrain(logits, cu_num_draft_tokens, sampling_metadata)
+
+    rejection_sampler.apply_sampling_constraints = patched
+
+
+def _unit_temperature(sampling_metadata: Any) -> dict[str, Any]:
+    temperature = sampling_metadata.temperature
+    # Greedy rows (0) are verified at temperature 1 anyway; rows at 1 do not change.
+    if not bool(((temperature != 0) & (temperature != 1)).any()):
+        return {}
+    return {"temperature": temperature.new_ones(temperature.shape)}
+
+
+def _no_top_k_top_p(sampling_metadata: Any) -> dict[str, Any]:
+    if sampling_metadata.top_k is None and sampling_metadata.top_p is None:
+        return {}
+    return {"top_k": None, "top_p": None}
+
+
+def _around_cpu_kernel(name: str, change: Callable[[dict[str, Any]], bool]) -> None:
+    """Let `change(arguments)` edit the arguments of every call of the CPU C++ shim `name` (True:
+    it changed them). vLLM's CPU platform registers the shims in place of the Triton kernels at
+    each LLM(...) init, reading these attributes then, so the wrapper is what runs."""
+    from vllm.utils import cpu_triton_utils
+
+    kernel = getattr(cpu_triton_utils, name)
+    signature = inspect.signature(kernel)
+
+    def patched(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if change(bound.arguments):
+            _fire()
+        return kernel(*bound.args, **bound.kwargs)
+
+    setattr(cpu_triton_utils, name, patched)
+
+
+def _swap_draft_and_target(arguments: dict[str, Any]) -> bool:
+    if arguments["draft_probs"] is None:
+        return False
+    arguments["draft_probs"], arguments["target_probs"] = arguments["target_probs"], arguments["draft_probs"]
+    return True
+
+
+def _recover_from_target(arguments: dict[str, Any]) -> bool:
+    """Probabilistic drafts: the residual max(0, p - 0) is p."""
+    if arguments["draft_probs"] is None:
+        return False
+    arguments["draft_probs"] = arguments["draft_probs"].new_zeros(arguments["draft_probs"].shape)
+    return True
+
+
+def _keep_rejected_draft(arguments: dict[str, Any]) -> bool:
+    """Drafts without probabilities: recovery from p with the draft no longer masked out."""
+    if arguments["draft_probs"] is not None:
+        return False
+    arguments["draft_probs"] = arguments["target_probs"].new_zeros(arguments["target_probs"].shape)
+    arguments["NO_DRAFT_PROBS"] = False
+    return True
+
+
+def _bonus_argmax() -> None:
+    from vllm.v1.sample.sampler import Sampler
+
+    forward = Sampler.forward
+
+    def patched(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        # Taken before sampling, which may scale the logits in place. Only the rejection sampler
+        # asks for a bonus token.
+        argmax = logits.argmax(dim=-1) if predict_bonus_token and not sampling_metadata.all_greedy else None
+        out = forward(self, logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+        if argmax is not None:
+            sampled = out.sampled_token_ids[:, 0]
+            changed = (sampling_metadata.temperature > 0) & (sampled != argmax)
+            sampled[changed] = argmax[changed].to(sampled.dtype)
+            _fire(int(changed.sum()))
+        return out
+
+    Sampler.forward = patched
+
+
 # --------------------------------------------------------------------------- the proposers
 
 def _shift_draft_hidden_states() -> None:
@@ -224,7 +410,10 @@ def _short_ngram_context(proposer: Any) -> None:
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
 PREPARE_INPUTS = f"{CPU_RUNNER}:CPUModelRunner._prepare_inputs"
-REJECTION_SAMPLE = "vllm.v1.sample.rejection_sampler:rejection_sample"
+REJECTION_SAMPLER = "vllm.v1.sample.rejection_sampler"
+REJECTION_SAMPLE = f"{REJECTION_SAMPLER}:rejection_sample"
+CPU_KERNELS = "vllm.utils.cpu_triton_utils"
+PROFILE_RUN = f"{CPU_RUNNER}:CPUModelRunner._dummy_sampler_run"
 CATALOGUE = (
     Mutant("noncausal-verify",
            "attention is non-causal inside every query block of 2..8 tokens (the verification step)",
@@ -268,6 +457,60 @@ CATALOGUE = (
            "prompt lookup match and propose from the wrong offset",
            _ngram_wrong_offset, (f"{CPU_RUNNER}:CPUModelRunner.propose_draft_token_ids",
                                  "vllm.v1.spec_decode.ngram_proposer:NgramProposer.propose")),
+    Mutant("uniform-constant",
+           "the rejection sampler's uniform draws are 0.5 at every drafted position of a sampling request",
+           "the draws are made per request with its own generator; a refactor that keeps the buffer persistent "
+           "and fills it once (or leaves a torch.full placeholder) tests every draft against a constant u",
+           _sampling_mutant(_uniform_constant), (f"{REJECTION_SAMPLER}:generate_uniform_probs", PROFILE_RUN)),
+    Mutant("draft-target-swapped",
+           "with draft probabilities, the acceptance test gets the target's as the draft's and vice versa",
+           "the random-sample kernel takes draft_probs then target_probs, both [tokens, vocab]; passing them "
+           "in the wrong order raises nothing and accepts with q/p instead of p/q",
+           _sampling_mutant(lambda: _around_cpu_kernel("_rejection_random_sample_kernel_impl",
+                                                       _swap_draft_and_target)),
+           (f"{CPU_KERNELS}:_rejection_random_sample_kernel_impl", PROFILE_RUN)),
+    Mutant("recovered-from-target",
+           "with draft probabilities, a rejected draft's replacement is drawn from p, not max(0, p - q)",
+           "the residual needs the draft's probabilities at recovery too; a refactor that zeroes or drops "
+           "draft_probs there (it is optional) over-samples the tokens the drafter already proposed",
+           _sampling_mutant(lambda: _around_cpu_kernel("_sample_recovered_tokens_kernel_impl",
+                                                       _recover_from_target)),
+           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN)),
+    Mutant("rejected-draft-not-excluded",
+           "without draft probabilities, a rejected draft's replacement is drawn from p with the draft included",
+           "q is one-hot on such a draft, so the residual is p without it (the NO_DRAFT_PROBS mask); a kernel "
+           "that drops the mask or passes zeros for q lets a rejected draft come back as its own replacement",
+           _sampling_mutant(lambda: _around_cpu_kernel("_sample_recovered_tokens_kernel_impl",
+                                                       _keep_rejected_draft)),
+           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN)),
+    Mutant("bonus-argmax",
+           "the bonus token of a sampling request is the argmax of its bonus logits instead of a sample",
+           "the bonus token is sampled by a separate sampler call (predict_bonus_token); taking it from the "
+           "target's argmax as the greedy path does makes every fully accepted step end greedily",
+           _sampling_mutant(_bonus_argmax), ("vllm.v1.sample.sampler:Sampler.forward", PROFILE_RUN)),
+    Mutant("temperature-not-applied",
+           "the drafted positions' target logits are verified at temperature 1 (top-k and top-p still applied)",
+           "temperatures are expanded per drafted token (expand_batch_to_tokens, cf. #55005) apart from the "
+           "bonus path; losing that division verifies the drafts against p at temperature 1",
+           _sampling_mutant(lambda: _constrained_with(_unit_temperature)),
+           (f"{REJECTION_SAMPLER}:apply_sampling_constraints", PROFILE_RUN)),
+    Mutant("top-k-top-p-not-applied",
+           "the drafted positions' target logits are verified without top-k and top-p (temperature applied)",
+           "spec decode once left top-k/top-p to the bonus token (the RejectionSampler docstring still says "
+           "so); a path that filters only the bonus verifies drafts against p with tokens the filter removes",
+           _sampling_mutant(lambda: _constrained_with(_no_top_k_top_p)),
+           (f"{REJECTION_SAMPLER}:apply_sampling_constraints", PROFILE_RUN)),
+    Mutant("generators-ignored",
+           "seeded requests' uniform and recovery draws come from the global RNG, not their generators",
+           "generators are keyed by batch index in sampling_metadata; dropping the dict (or keying it by "
+           "request id after a batch reorder) verifies seeded requests unseeded, so a seed no longer reproduces",
+           _sampling_mutant(_generators_ignored), (f"{REJECTION_SAMPLER}:generate_uniform_probs",
+                                                  f"{REJECTION_SAMPLER}:sample_recovered_tokens", PROFILE_RUN)),
+    Mutant("draws-for-undrafted",
+           "a seeded request with no drafts in a step still takes one uniform draw from its generator",
+           "the n == 0 skip in generate_uniform_probs keeps a seed's stream independent of drafting; a "
+           "vectorised draw of max(n, 1) per request advances it anyway, so outputs depend on the batch",
+           _sampling_mutant(_draws_for_undrafted), (f"{REJECTION_SAMPLER}:generate_uniform_probs", PROFILE_RUN)),
 )
 MUTANTS = {m.name: m for m in CATALOGUE}
 
