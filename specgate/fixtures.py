@@ -298,8 +298,9 @@ def context_scale() -> float:
     return math.sqrt(8 * CONTEXT_SCORE_MARGIN / min(knownanswer.margins()))
 
 
-def _make_context(tensors: dict[str, Any], body: str, qk_norm: bool, hidden: int = HIDDEN) -> dict[str, Any]:
-    """Set a target's embedding, layer 0 attention and identity lm_head as described above and
+def _make_context(tensors: dict[str, Any], body: str, qk_norm: bool, hidden: int = HIDDEN,
+                  spread: Sequence[float] = ()) -> dict[str, Any]:
+    """Set a target's embedding, layer 0 attention and lm_head (_answer_head) as described above and
     zero every other layer output under `body`; returns the facts to record. Tokens live in the
     first V dimensions of a residual of `hidden` >= V dimensions."""
     import torch
@@ -333,25 +334,40 @@ def _make_context(tensors: dict[str, Any], body: str, qk_norm: bool, hidden: int
                 and not name.startswith(attn):
             tensors[name] = torch.zeros_like(tensors[name])
     tensors[EMBED] = CONTEXT_EMBED * _token_map(hidden)[:VOCAB]
-    tensors["lm_head.weight"] = _token_map(hidden)[:VOCAB]
+    tensors["lm_head.weight"] = _answer_head(hidden, spread)
     prev_margin, self_margin = knownanswer.margins()
-    return {"known_answer": knownanswer.CONTEXT_RULE, "attention_score_margin": CONTEXT_SCORE_MARGIN,
-            "kernel_margins": {"previous": prev_margin, "self": self_margin},
-            "exact_up_to_positions": knownanswer.MAX_DISTANCE}
+    facts = {"known_answer": knownanswer.CONTEXT_RULE, "attention_score_margin": CONTEXT_SCORE_MARGIN,
+             "kernel_margins": {"previous": prev_margin, "self": self_margin},
+             "exact_up_to_positions": knownanswer.MAX_DISTANCE}
+    if spread:
+        facts["answer_logits"] = list(spread)
+    return facts
+
+
+def _answer_head(hidden: int, spread: Sequence[float]) -> Any:
+    """The lm_head over a final residual sqrt(H) e(a) (a the answer): the identity (logit
+    sqrt(H) = 22.6 on a, 0 elsewhere), or with `spread` logit spread[j] on a + j, so sampling
+    at temperature T draws a + j with probability softmax(spread / T)[j] at every position
+    (the other tokens stay at 0, e^-22 below and less)."""
+    if not spread:
+        return _token_map(hidden)[:VOCAB]
+    head = sum(logit / math.sqrt(hidden) * _token_map(hidden, j)[:VOCAB] for j, logit in enumerate(spread))
+    return head
 
 
 _CONTEXT = dict(num_attention_heads=CONTEXT_HEADS, num_key_value_heads=CONTEXT_KV_HEADS,
                 rope_parameters={"rope_type": "default", "rope_theta": knownanswer.ROPE_THETA})
 
 
-@_kind("qwen3-context", seed=0)
+@_kind("qwen3-context", seed=0, spread=[])
 def build_qwen3_context(p: dict[str, Any]) -> Built:
-    """Known-answer Qwen3 target whose answer depends on the previous token (x[t-1] + 2)."""
+    """Known-answer Qwen3 target whose answer depends on the previous token (x[t-1] + 2);
+    with `spread`, sampling draws x[t-1] + 2 + j with known probabilities (_answer_head)."""
     from transformers import Qwen3ForCausalLM
 
     config = _qwen3_config(**_CONTEXT)
     tensors = _randomize(_hf_shapes(Qwen3ForCausalLM, config), p["seed"])
-    facts = _make_context(tensors, "model.", qk_norm=True)
+    facts = _make_context(tensors, "model.", qk_norm=True, spread=p["spread"])
     return Built(_config_dict(config), tensors, {**_target_facts(config), **facts})
 
 
@@ -477,7 +493,7 @@ def build_mimo_mtp_random(p: dict[str, Any]) -> Built:
 MIMO_CONTEXT_HIDDEN = CONTEXT_HEADS * HEAD_DIM
 
 
-@_kind("mimo-mtp-context", seed=0)
+@_kind("mimo-mtp-context", seed=0, spread=[])
 def build_mimo_mtp_context(p: dict[str, Any]) -> Built:
     """Known-answer MiMo target: the body is a context target (x[t-1] + 2, see _make_context) and
     the MTP layer proposes successor chains.
@@ -492,7 +508,7 @@ def build_mimo_mtp_context(p: dict[str, Any]) -> Built:
 
     config = _mimo_config(**_CONTEXT, hidden_size=MIMO_CONTEXT_HIDDEN)
     tensors = _randomize(_mimo_shapes(config), p["seed"])
-    facts = _make_context(tensors, "model.", qk_norm=False, hidden=MIMO_CONTEXT_HIDDEN)
+    facts = _make_context(tensors, "model.", qk_norm=False, hidden=MIMO_CONTEXT_HIDDEN, spread=p["spread"])
     shift = _token_map(MIMO_CONTEXT_HIDDEN, 1)
     tensors["model.mtp_layers.0.input_proj.weight"] = torch.cat([shift, shift / 2], 1)
     return Built(_config_dict(config), tensors, {**_target_facts(config, "mtp"), **facts})
