@@ -36,11 +36,11 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from specgate import processes
+from specgate import enginehooks, processes
 
 # vLLM's own counter names (vllm/v1/spec_decode/metrics.py), read through LLM.get_metrics().
 SPEC_COUNTERS = {
@@ -279,10 +279,21 @@ class EngineProcessError(RuntimeError):
     """The engine process failed in a way that could not be relayed as its own exception."""
 
 
-def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine, generate greedily for every prompt (token-id lists or text), read
-    what it measured, shut it down. Returns JSON-ready data; an exception is recorded
-    (pickled with its traceback) instead of raised."""
+def _outputs(outputs: list[Any]) -> dict[str, Any]:
+    # JSON keys are strings: logprobs travel as [token, logprob] pairs per position.
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "logprobs": [[[[t, lp.logprob] for t, lp in (step or {}).items()]
+                          for step in (o.outputs[0].logprobs or [])] for o in outputs],
+            "request_metrics": [request_metrics(o) for o in outputs]}
+
+
+def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str, Any] | list[dict[str, Any]],
+             *, repeat: Sequence[int] = (), record_drafts: bool = False, repair: str | None = None) -> dict[str, Any]:
+    """Start one engine, generate every prompt (token-id lists or text) with its sampling
+    parameters (one dict for all, or one per prompt), read what it measured, shut it down.
+    `repeat`: prompts generated a second time afterwards, in a second call (seeded
+    determinism); `record_drafts` and `repair`: specgate.enginehooks. Returns JSON-ready
+    data; an exception is recorded (pickled with its traceback) instead of raised."""
     result: dict[str, Any] = {"error": None}
     llm = None
     started = time.monotonic()
@@ -298,15 +309,21 @@ def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str,
         result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
         result["runner"], result["compilation"] = runner(llm), compilation(llm)
         inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+        params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
+                  else SamplingParams(**sampling))
         started = time.monotonic()
-        outputs = llm.generate(inputs, SamplingParams(**sampling), use_tqdm=False)
-        result["generate_s"] = round(time.monotonic() - started, 2)
-        result["counters"] = spec_counters(llm)
-        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
-        # JSON keys are strings: logprobs travel as [token, logprob] pairs per position.
-        result["logprobs"] = [[[[t, lp.logprob] for t, lp in (step or {}).items()]
-                               for step in (o.outputs[0].logprobs or [])] for o in outputs]
-        result["request_metrics"] = [request_metrics(o) for o in outputs]
+        with enginehooks.active(record=record_drafts, repair=repair):
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+            drafts = enginehooks.drafts_by_request()
+            result["generate_s"] = round(time.monotonic() - started, 2)
+            result["counters"] = spec_counters(llm)   # before the repeat: the checks read the first pass
+            if repeat:
+                again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat]
+                                     if isinstance(params, list) else params, use_tqdm=False)
+                result["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
+        result.update(_outputs(outputs))
+        if record_drafts:
+            result["drafts"] = drafts
     except Exception as exc:
         result["error"] = _error_record(exc)
     finally:
@@ -360,7 +377,8 @@ def _generate_all(runs: list[dict[str, Any]], result_path: Path, answer: dict[st
         if index and "llvmlite" in sys.modules:
             stopped = LLVMLITE_DEFECT
             break
-        results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"])
+        results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"], repeat=run.get("repeat", []),
+                                       record_drafts=run.get("record_drafts", False), repair=run.get("repair"))
         # What outlived the shutdown is module state: frozen, the next engine's many full
         # gc.collect calls (vLLM's, during start and shutdown) skip it. vLLM's shutdown unfreezes.
         gc.freeze()
@@ -497,6 +515,8 @@ def main(argv: list[str]) -> int:
     inspection = inspect_in_background(list(dict.fromkeys(later)))
     gc.freeze()   # as after each engine (_generate_all); the children also share these pages unwritten
     import_s = round(time.monotonic() - started, 2)
+    enginehooks.install(record=any(r.get("record_drafts") for r in pending),
+                        repairs={r["repair"] for r in pending if r.get("repair")})
     mutant_fired = None
     mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.mutants)
     if mutant:

@@ -1,0 +1,92 @@
+"""What the engine process adds to vLLM for the sampling checks, only for the engines that ask:
+
+- a draft recorder: the draft token ids the scheduler sends each request at each verification
+  step (the acceptance check needs the rejected drafts too, which no output carries);
+- runtime repairs of declared vLLM defects, so a build with the defect can still show what the
+  checks catch. The one known: vLLM #55005, whose CPU `_expand_kernel_impl` hands the C++ op an
+  int64 *copy* of a float32/int32 output, so sampled requests verify drafts with uninitialised
+  temperatures, top-k and top-p. The repair does the expansion in torch, into the caller's
+  tensor (what PR #55006 proposes).
+
+Both are installed once in the engine host (before any engine starts, so vLLM's CPU platform
+registers the wrapped kernel) and act only while `active(...)` says so for the running engine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+REPAIRS = ("vllm-55005",)
+
+_state: dict[str, Any] = {"record": False, "repair": None}
+_order: list[str] = []                                  # request ids, in the order first scheduled
+_drafts: dict[str, list[list[int]]] = defaultdict(list)
+_installed: set[str] = set()
+
+
+def install(*, record: bool, repairs: set[str]) -> None:
+    """Wrap what the requested hooks need (once per process)."""
+    unknown = repairs - set(REPAIRS)
+    if unknown:
+        raise ValueError(f"unknown repair(s) {', '.join(sorted(unknown))} (known: {', '.join(REPAIRS)})")
+    if record and "record" not in _installed:
+        _install_recorder()
+    if "vllm-55005" in repairs and "vllm-55005" not in _installed:
+        _install_expand_repair()
+
+
+@contextmanager
+def active(*, record: bool, repair: str | None) -> Iterator[None]:
+    """Turn the hooks on for one engine; the recorder starts empty."""
+    _order.clear()
+    _drafts.clear()
+    _state.update(record=record, repair=repair)
+    try:
+        yield
+    finally:
+        _state.update(record=False, repair=None)
+
+
+def drafts_by_request() -> list[list[list[int]]]:
+    """Per request (in submission order), the drafts of each step it was verified at."""
+    return [_drafts.get(rid, []) for rid in _order]
+
+
+def _install_recorder() -> None:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    execute = CPUModelRunner.execute_model
+
+    def recording(self, scheduler_output, *args, **kwargs):
+        if _state["record"]:
+            _order.extend(r.req_id for r in scheduler_output.scheduled_new_reqs)
+            for rid, tokens in scheduler_output.scheduled_spec_decode_tokens.items():
+                if tokens:
+                    _drafts[rid].append([int(t) for t in tokens])
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    CPUModelRunner.execute_model = recording
+    _installed.add("record")
+
+
+def _install_expand_repair() -> None:
+    import torch
+    from vllm.utils import cpu_triton_utils
+
+    released = cpu_triton_utils._expand_kernel_impl
+
+    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+        if _state["repair"] != "vllm-55005":
+            return released(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS)
+        ends = cu_num_tokens.to(torch.int64)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype),
+                             input_val)
+        output.copy_(torch.repeat_interleave(values, counts))
+        return None
+
+    cpu_triton_utils._expand_kernel_impl = expand
+    _installed.add("vllm-55005")

@@ -1,0 +1,50 @@
+"""The engine-process hooks of the sampling checks (specgate.enginehooks), on the real vLLM
+CPU ops: the released expand shim shows vLLM #55005 (a float32 or int32 output stays
+untouched), the repair fills the caller's tensor as vLLM's Triton kernel would, and only while
+an engine asked for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specgate import enginehooks
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()   # the CPU build's _C ops, as an engine loads them
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", cpu_triton_utils._expand_kernel_impl)
+    monkeypatch.setattr(enginehooks, "_installed", set())
+    return cpu_triton_utils
+
+
+def _expand(kernels, values, dtype):
+    """Expand per-request values over [2, 3, 1] tokens, 0 replaced by 1 (the temperature call)."""
+    out = torch.full((6,), -7, dtype=dtype)
+    kernels._expand_kernel_impl(out, torch.tensor(values, dtype=dtype), torch.tensor([2, 5, 6], dtype=torch.int32),
+                                0, 1)
+    return out.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_the_released_shim_leaves_the_callers_tensor_untouched_55005(kernels, dtype):
+    assert _expand(kernels, [3, 0, 2], dtype) == [-7] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+def test_the_repair_expands_into_the_callers_tensor_only_while_active(kernels, dtype):
+    enginehooks.install(record=False, repairs={"vllm-55005"})
+    want = torch.tensor([3, 3, 1, 1, 1, 2], dtype=dtype).tolist()   # 0 (greedy) becomes 1
+    with enginehooks.active(record=False, repair="vllm-55005"):
+        assert _expand(kernels, [3, 0, 2], dtype) == want
+    released = [-7] * 6 if dtype != torch.int64 else want    # int64 was never affected
+    assert _expand(kernels, [3, 0, 2], dtype) == released
+
+
+def test_an_unknown_repair_is_refused():
+    with pytest.raises(ValueError, match="unknown repair"):
+        enginehooks.install(record=False, repairs={"vllm-1"})
