@@ -1,0 +1,527 @@
+"""The statistics behind the sampling checks (specgate.e2e.sampling), without vLLM.
+
+The design's distribution is restated here in numpy the way vLLM's sampler computes it, a
+correct speculative sampler (Leviathan et al. 2023) runs in numpy on the designed target with
+the successor drafter's one-hot drafts, and so do samplers with the bugs the e2e checks exist
+to catch. Correct samplers must pass every check over many seeds (false alarms at alpha = 1e-6:
+none expected), the mutated ones must fail. Seeds are fixed, so every run is the same run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+import pytest
+from scipy import optimize, special, stats
+
+from specgate import knownanswer
+from specgate.e2e import sampling
+
+LOGITS = (24.0, 23.5, 23.0, 22.5)            # the *-spread fixtures' answer_logits
+VOCAB = 512
+K = len(LOGITS)
+T = 0.6                                     # manifest [e2e.sampling]
+ALPHA, TV, POWER = 1e-6, 0.05, 0.999
+DRAFTS = 3                                  # num_speculative_tokens
+PROMPTS = ([5, 6, 7], [300, 200], [509, 510], [7, 300, 9, 301, 7, 300, 9])
+REQUESTS, MAX_TOKENS = 16, 440              # 7040 draws >= the ~7000 that power 0.999 needs
+TRUNCATED, TRUNCATED_TOKENS = 8, 680
+SEEDS = range(30)
+
+DESIGN = sampling.Design(LOGITS, VOCAB, T)
+
+
+def reference_probs(logits, vocab: int, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The next-token distribution over offsets 0 .. vocab - 1, computed the way vLLM's
+    apply_top_k_top_p does: logits / T sorted ascending; top-k masks what is below the k-th
+    largest; top-p masks the prefix whose cumulative probability is <= 1 - p, the largest kept."""
+    x = np.zeros(vocab)
+    x[:len(logits)] = logits
+    x /= temperature
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+    if top_k:
+        xs = np.where(xs < xs[vocab - top_k], -np.inf, xs)
+    if top_p < 1.0:
+        mask = np.cumsum(special.softmax(xs)) <= 1 - top_p
+        mask[-1] = False
+        xs = np.where(mask, -np.inf, xs)
+    out = np.empty(vocab)
+    out[order] = special.softmax(xs)
+    return out
+
+
+# --------------------------------------------------------------------------- 1. the design
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (0, 0.5), (0, 0.7),
+                                          (0, 0.8), (0, 0.9), (0, 0.97), (3, 0.7), (2, 0.9)])
+def test_design_probs_match_vllms_temperature_top_k_top_p(temperature, top_k, top_p):
+    """Temperature divides the logits before softmax; top-k keeps the k largest; top-p keeps
+    the smallest head (of what top-k left) whose mass reaches top_p, renormalised; what no
+    offset 0..K-1 holds is `other`. Catches a temperature applied after softmax or not at all,
+    top-k keeping k - 1 or k + 1, top-p stopping before the head reaches top_p (or including one
+    more), top-p normalised over the whole vocabulary instead of the top-k survivors."""
+    probs, other = sampling.Design(LOGITS, VOCAB, temperature, top_k, top_p).probs()
+    want = reference_probs(LOGITS, VOCAB, temperature, top_k, top_p)
+    np.testing.assert_allclose(probs, want[:K], rtol=1e-9, atol=1e-300)
+    assert other == pytest.approx(want[K:].sum(), rel=1e-9, abs=1e-300)
+    assert sum(probs) + other == pytest.approx(1.0, abs=1e-12)
+
+
+def test_design_probs_by_hand():
+    """The manifest's numbers: at T = 0.6, p = softmax(answer_logits / 0.6) over the answer
+    offsets, the 508 zero logits together ~1.3e-15; top_k = 2 and top_p = 0.8 both keep offsets
+    0 and 1 (0.586 < 0.8 <= 0.586 + 0.255); top_p = 0.85 also keeps offset 2."""
+    p = special.softmax(np.array(LOGITS) / T)
+    probs, other = DESIGN.probs()
+    np.testing.assert_allclose(probs, p, rtol=1e-12)
+    assert other == pytest.approx((VOCAB - K) * np.exp(-LOGITS[0] / T) / np.exp(special.logsumexp(
+        np.array(LOGITS) / T - LOGITS[0] / T)), rel=1e-9)
+    assert 1e-16 < other < 1e-14
+    head = [p[0] / (p[0] + p[1]), p[1] / (p[0] + p[1]), 0.0, 0.0]
+    for kw in ({"top_k": 2}, {"top_p": 0.8}):
+        probs, other = sampling.Design(LOGITS, VOCAB, T, **kw).probs()
+        np.testing.assert_allclose(probs, head, rtol=1e-12)
+        assert other == 0.0
+    probs, _ = sampling.Design(LOGITS, VOCAB, T, top_p=0.85).probs()
+    np.testing.assert_allclose(probs, [*(p[:3] / p[:3].sum()), 0.0], rtol=1e-12)
+    probs, _ = sampling.Design(LOGITS, VOCAB, T, top_p=0.5).probs()
+    assert probs == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("logits, vocab", [(LOGITS, VOCAB), ((2.0, 1.5, 1.0, 0.5), 16), ((3.0, -1.0), 8)])
+def test_raw_logprobs_are_the_log_softmax_over_the_whole_vocabulary(logits, vocab):
+    """What vLLM returns as logprobs: T = 1, no truncation, normalised over all `vocab` tokens
+    (not over the answer offsets only; a bug invisible at logit 24, so a small design too)."""
+    design = sampling.Design(logits, vocab, 0.6, top_k=1, top_p=0.5)
+    full = np.zeros(vocab)
+    full[:len(logits)] = logits
+    np.testing.assert_allclose(design.raw_logprobs(), special.log_softmax(full)[:len(logits)], rtol=0, atol=1e-12)
+
+
+def test_offsets_follow_the_context_rule_mod_vocab():
+    """The answer after x is x[-2] + 2 (x[0] + 2 after one token), mod V; offsets beyond K - 1
+    are OFF_SUPPORT. Catches an answer read from x[-1] (the successor rule) or not wrapped."""
+    # after [510]: 512 % 512 = 0; after [510, 1]: 510 + 2 = 0; after [510, 1, 3]: 1 + 2 = 3.
+    assert sampling.offsets([510], [1, 3, 100, 6], VOCAB, K) == [1, 3, sampling.OFF_SUPPORT, 1]
+    prompt, tokens = [7, 300, 9], [305, 11, 400]             # answers 302, 9 + 2, 305 + 2
+    assert sampling.offsets(prompt, tokens, VOCAB, K) == [3, 0, sampling.OFF_SUPPORT]
+    want = knownanswer.continuation(knownanswer.CONTEXT_RULE, prompt, 3, VOCAB)
+    assert sampling.offsets(prompt, want, VOCAB, K) == [0, 0, 0]
+
+
+# --------------------------------------------------------------------------- 2. power and sample size
+
+def _chi2_distance(p, q):
+    return float(np.sum((np.asarray(q) - p) ** 2 / p))
+
+
+@pytest.mark.parametrize("p", [list(special.softmax(np.array(LOGITS) / T)), [0.97, 0.01, 0.01, 0.01],
+                               [0.6970592839654063, 0.3029407160345937], [0.4, 0.3, 0.2, 0.1]])
+def test_least_favourable_is_the_minimum_chi_square_distance_at_that_tv(p):
+    """sum (q - p)^2 / p minimised over q at total variation exactly TV. Brute force (random q at
+    TV exactly 0.05) never goes below it; per sign pattern, a numeric QP (SLSQP) reaches it
+    within 1%. Catches tv instead of tv^2, a missing 1/P(A) or 1/P(B) term, a split that is not
+    searched (p = [0.97, 0.01, ...]: only the heavy offset can lose 0.05)."""
+    p = np.array(p)
+    best = sampling.least_favourable(list(p), TV)
+    rng = np.random.default_rng(0)
+    d = rng.standard_normal((100_000, len(p))) * rng.exponential(size=(100_000, len(p))) ** 2
+    d -= d.mean(axis=1, keepdims=True)
+    d *= 2 * TV / np.abs(d).sum(axis=1, keepdims=True)
+    q = p + d
+    q = q[(q >= 0).all(axis=1)]
+    random_min = float(np.min(np.sum((q - p) ** 2 / p, axis=1)))
+    assert random_min >= best * (1 - 1e-9)
+    qp_min = np.inf
+    for signs in itertools.product((1, -1), repeat=len(p)):
+        gain = [i for i, s in enumerate(signs) if s > 0]
+        lose = [i for i, s in enumerate(signs) if s < 0]
+        if not gain or not lose or p[lose].sum() < TV:     # nothing to gain, or too little to lose
+            continue
+        bounds = [(0, 1 - p[i]) if s > 0 else (-p[i], 0) for i, s in enumerate(signs)]
+        result = optimize.minimize(lambda x: float(np.sum(x ** 2 / p)), np.array([s * TV / len(p) for s in signs]),
+                                   method="SLSQP", bounds=bounds,
+                                   constraints=[{"type": "eq", "fun": lambda x: float(np.sum(x))},
+                                                {"type": "eq", "fun": lambda x, g=gain: float(np.sum(x[g]) - TV)}])
+        if result.success and abs(np.sum(np.abs(result.x)) - 2 * TV) < 1e-6 and (p + result.x >= -1e-9).all():
+            qp_min = min(qp_min, float(result.fun))
+    assert qp_min >= best * (1 - 1e-6)
+    assert qp_min == pytest.approx(best, rel=0.01)
+
+
+def test_sample_size_for_the_manifest_power_and_power_monotone_in_n():
+    """~7000 draws (the manifest's 16 x 440 = 7040) give power 0.999 against a TV 0.05 shift at
+    alpha 1e-6; the returned n is the fewest (n - 1 falls short) and power rises with n."""
+    p = DESIGN.probs()[0]
+    n = sampling.sample_size(p, ALPHA, POWER, TV)
+    assert 6500 <= n <= 7500
+    assert sampling.power(p, n, ALPHA, TV) >= POWER > sampling.power(p, n - 1, ALPHA, TV)
+    assert sampling.power(p, REQUESTS * MAX_TOKENS, ALPHA, TV) >= POWER
+    grid = [sampling.power(p, m, ALPHA, TV) for m in range(0, 20_001, 250)]
+    assert all(b > a or a == 1.0 for a, b in itertools.pairwise(grid[1:])) and grid[0] == 0.0 < grid[1] < POWER
+    truncated = sampling.Design(LOGITS, VOCAB, T, top_k=2).probs()[0]
+    assert sampling.sample_size(truncated, ALPHA, POWER, TV) <= TRUNCATED * TRUNCATED_TOKENS
+
+
+def test_sample_size_is_the_fewest_even_below_the_first_doubling():
+    """The doubling starts at 16: a design that needs fewer must still get the fewest, not
+    whatever the bisection between 8 and 16 lands on."""
+    for p, alpha, want, tv in (([0.5, 0.5], 0.05, 0.5, 0.4), ([0.5, 0.5], 0.05, 0.9, 0.4),
+                               ([0.7, 0.3], 0.01, 0.9, 0.3)):
+        fewest = next(m for m in range(1, 10_000) if sampling.power(p, m, alpha, tv) >= want)
+        assert sampling.sample_size(p, alpha, want, tv) == fewest
+
+
+def test_power_is_the_rejection_rate_at_the_least_favourable_shift():
+    """The noncentral chi-square power is what Pearson's test actually achieves, by Monte Carlo,
+    at the least favourable q (mass moved in proportion to p, from the best split)."""
+    p = np.array(DESIGN.probs()[0])
+    alpha, n = 1e-3, 4000
+    split = min((m for m in itertools.product((0, 1), repeat=K) if 0 < sum(m) < K),
+                key=lambda m: 1 / p[np.array(m) == 1].sum() + 1 / p[np.array(m) == 0].sum())
+    gain = np.array(split) == 1
+    q = p + np.where(gain, TV * p / p[gain].sum(), -TV * p / p[~gain].sum())
+    assert _chi2_distance(p, q) == pytest.approx(sampling.least_favourable(list(p), TV), rel=1e-9)
+    counts = np.random.default_rng(1).multinomial(n, q, size=20_000)
+    statistic = np.sum((counts - n * p) ** 2 / (n * p), axis=1)
+    rate = float(np.mean(statistic > stats.chi2.isf(alpha, K - 1)))
+    assert rate == pytest.approx(sampling.power(list(p), n, alpha, TV), abs=0.03)
+
+
+# --------------------------------------------------------------------------- 3. simulated speculative sampling
+
+def context_answer(seq, vocab: int = VOCAB) -> int:
+    """knownanswer.CONTEXT_RULE restated: x[len - 2] + 2, x[0] + 2 after one token."""
+    return (seq[-2 if len(seq) >= 2 else 0] + 2) % vocab
+
+
+@dataclass
+class Sampler:
+    """Target sampling plus Leviathan et al.'s verification of one-hot drafts: a draft d is
+    accepted with probability p(d); on rejection the token comes from the residual
+    max(0, p - q), here p without d, renormalised; after k acceptances a bonus token from p.
+    The fields after `probs` are the bugs."""
+    probs: np.ndarray                      # over offsets 0 .. V - 1 from the answer: what it samples from
+    recover_with_draft: bool = False       # (a) recovery drawn from p, the rejected draft included
+    fixed_u: float | None = None           # (b) the acceptance uniform is a constant
+    cdf: np.ndarray = field(init=False)
+
+    @property
+    def vocab(self) -> int:
+        return len(self.probs)
+
+    def __post_init__(self):
+        self.cdf = np.cumsum(self.probs)
+
+    def prob(self, seq, token) -> float:
+        return float(self.probs[(token - context_answer(seq, self.vocab)) % self.vocab])
+
+    def draw(self, seq, rng, exclude: int | None = None) -> int:
+        """A draw from p; with `exclude`, from the residual: p conditioned on not the draft."""
+        a = context_answer(seq, self.vocab)
+        while True:
+            j = int(np.searchsorted(self.cdf, rng.random() * self.cdf[-1], side="right"))
+            token = (a + min(j, self.vocab - 1)) % self.vocab
+            if token != exclude or self.recover_with_draft:
+                return token
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    tokens: list[int]
+    drafts: list[list[int]]
+    accepted: list[int]
+
+
+def generate(sampler: Sampler, prompt, max_tokens: int, rng) -> Request:
+    """One request: a prefill step emits one token, then each step verifies the successor
+    drafter's k drafts last + 1 .. last + k; max_tokens cuts the last step short (its
+    accepted count is the engine's, as vLLM's per-step metrics record it)."""
+    seq = list(prompt)
+    tokens = [sampler.draw(seq, rng)]
+    seq += tokens
+    drafts, accepted = [], []
+    while len(tokens) < max_tokens:
+        proposal = [(seq[-1] + s) % sampler.vocab for s in range(1, DRAFTS + 1)]
+        context, out = list(seq), []
+        for draft in proposal:
+            u = rng.random() if sampler.fixed_u is None else sampler.fixed_u
+            if u < sampler.prob(context, draft):
+                out.append(draft)
+                context.append(draft)
+            else:
+                out.append(sampler.draw(context, rng, exclude=draft))
+                break
+        else:
+            out.append(sampler.draw(context, rng))
+        drafts.append(proposal)
+        accepted.append(len(out) - 1)
+        out = out[:max_tokens - len(tokens)]
+        tokens += out
+        seq += out
+    return Request(list(prompt), tokens, drafts, accepted)
+
+
+def batch(sampler: Sampler, seed: int, requests: int = REQUESTS, max_tokens: int = MAX_TOKENS) -> list[Request]:
+    return [generate(sampler, PROMPTS[i % len(PROMPTS)], max_tokens, np.random.default_rng([seed, i]))
+            for i in range(requests)]
+
+
+def judge(requests: list[Request], design: sampling.Design) -> tuple[list[int | str], dict, dict]:
+    """What tests/e2e/test_sampling.py computes from one engine's sampled requests."""
+    k = len(design.answer_logits)
+    values = [v for r in requests for v in sampling.offsets(r.prompt, r.tokens, design.vocab, k)]
+    parts = [sampling.acceptance(r.prompt, r.tokens, r.drafts, r.accepted, design, DRAFTS, f"request {i}")
+             for i, r in enumerate(requests)]
+    fit = sampling.goodness_of_fit(values, design, ALPHA, TV)
+    return values, fit, sampling.acceptance_test(parts, DRAFTS, ALPHA, TV)
+
+
+CORRECT = Sampler(reference_probs(LOGITS, VOCAB, T))
+
+
+@cache
+def correct_run(seed: int) -> tuple[list[int | str], dict, dict]:
+    return judge(batch(CORRECT, seed), DESIGN)
+
+
+def test_a_correct_speculative_sampler_passes_every_seed():
+    """False alarms: none over 30 seeds (60 tests at alpha 1e-6). Each run's distribution check
+    has the power the manifest asks for, drafts are verified at every position, and the p-values
+    look uniform (a Kolmogorov-Smirnov check: a miscalibrated statistic, e.g. a df too small or a
+    variance too large, shows up there long before it gives a false alarm at 1e-6).
+
+    The acceptance check's own power is low here (~0.03 against a tv 0.05 shift of every
+    acceptance probability): on the context rule the successor drafts land on the support only
+    while the last two tokens stay close, ~1% of position-0 trials after the first few tokens,
+    so it is mostly its `impossible` lines that catch a broken verifier."""
+    failures, fit_p, acc_p = [], [], []
+    for seed in SEEDS:
+        values, fit, acc = correct_run(seed)
+        assert fit["n"] == REQUESTS * MAX_TOKENS and fit["outside_support"] == 0
+        assert fit["power"] >= POWER and acc["power"] < 0.1
+        assert min(acc["trials"]) > 5 and acc["df"] == DRAFTS
+        assert not acc["impossible"], acc["impossible"]
+        failures += [f"seed {seed}: {name} p = {t['p_value']:.3g}" for name, t in (("fit", fit), ("acceptance", acc))
+                     if not t["passed"]]
+        fit_p.append(fit["p_value"])
+        acc_p.append(acc["p_value"])
+    assert not failures, failures
+    assert stats.kstest(fit_p, "uniform").pvalue > 1e-3, sorted(fit_p)
+    assert stats.kstest(acc_p, "uniform").pvalue > 1e-3, sorted(acc_p)
+
+
+def test_acceptance_expected_matches_what_the_simulation_accepted():
+    """Per position, the replay's expected count is the sum of the p(d) the sampler used: the
+    accepted counts land within a few standard deviations of it, pooled over the seeds."""
+    accepted = np.sum([correct_run(s)[2]["accepted"] for s in SEEDS], axis=0)
+    expected = np.sum([correct_run(s)[2]["expected"] for s in SEEDS], axis=0)
+    trials = np.sum([correct_run(s)[2]["trials"] for s in SEEDS], axis=0)
+    assert (trials > accepted).all() and (accepted > 0).all()
+    assert np.all(np.abs(accepted - expected) < 5 * np.sqrt(expected)), (accepted, expected)
+
+
+def test_recovery_that_can_return_the_rejected_draft_is_caught():
+    """(a) The recovered token drawn from p itself: a rejected draft d comes back with
+    probability p(d), so every run has hundreds of 'rejected draft itself' lines (power 1), and
+    acceptance_test fails on them alone."""
+    _, _, acc = judge(batch(Sampler(CORRECT.probs, recover_with_draft=True), 0), DESIGN)
+    assert not acc["passed"]
+    assert any("is the rejected draft" in line for line in acc["impossible"])
+
+
+def test_acceptance_with_a_constant_uniform_is_caught():
+    """(b) Accept iff p(d) >= 0.5 (the uniform fixed at 0.5): offset-0 drafts always accepted,
+    the others never. Only the acceptance rates give it away (nothing impossible happens, and
+    accepted drafts are too rare to move the emitted distribution: its p-value is ~0.07 here).
+    Power: all of 30 seeds caught, statistics 38 .. 95 on 3 df against a threshold of 30.7
+    (noncentrality ~60: power ~0.99)."""
+    _, fit, acc = judge(batch(Sampler(CORRECT.probs, fixed_u=0.5), 0), DESIGN)
+    assert not acc["passed"] and acc["statistic"] > stats.chi2.isf(ALPHA, DRAFTS)
+    assert not acc["impossible"]
+    assert fit["p_value"] > ALPHA
+
+
+def test_temperature_ignored_is_caught():
+    """(c) Sampling at T = 1 where the design says 0.6: TV 0.13 from the design, about 2.6 x
+    the shift the sample size is powered for (noncentrality ~ 7040 x 0.07 ~ 490 against a
+    threshold of ~31 on 3 df: power 1 to machine precision). The acceptance check, with its
+    low power here, need not see it."""
+    wrong = Sampler(reference_probs(LOGITS, VOCAB, 1.0))
+    tv = 0.5 * np.abs(wrong.probs[:K] - CORRECT.probs[:K]).sum()
+    assert tv > 2.5 * TV
+    _, fit, acc = judge(batch(wrong, 0), DESIGN)
+    assert not fit["passed"] and fit["p_value"] < 1e-30
+    assert not acc["impossible"]
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 2}, {"top_p": 0.8}])
+def test_truncated_requests_pass_when_truncated_and_fail_when_not(kw):
+    """(d) top-k / top-p ignored for the truncated requests: ~16% of their tokens land on the
+    offsets truncation removed (probability 0, so one of them is enough: power 1), and accepted
+    drafts there are impossible. The same requests sampled correctly pass."""
+    design = sampling.Design(LOGITS, VOCAB, T, **kw)
+    right = Sampler(reference_probs(LOGITS, VOCAB, T, **kw))
+    for seed in range(3):
+        _, fit, acc = judge(batch(right, seed, TRUNCATED, TRUNCATED_TOKENS), design)
+        assert fit["passed"] and acc["passed"] and fit["outside_support"] == 0, (fit, acc)
+        assert fit["power"] >= POWER
+    _, fit, acc = judge(batch(CORRECT, 0, TRUNCATED, TRUNCATED_TOKENS), design)
+    assert not fit["passed"] and fit["outside_support"] > 500 and fit["p_value"] == 0.0
+    assert not acc["passed"] and any("probability 0.0e+00" in line for line in acc["impossible"])
+
+
+def test_few_tokens_outside_the_truncated_support_still_fail():
+    """A sampler that leaks only rarely past top-k (about one draw in 500 on offset 2): the
+    chi-square barely moves, but a token of probability 0 must fail the check however few."""
+    design = sampling.Design(LOGITS, VOCAB, T, top_k=2)
+    values = [v for r in batch(Sampler(reference_probs(LOGITS, VOCAB, T, top_k=2)), 0, TRUNCATED, TRUNCATED_TOKENS)
+              for v in sampling.offsets(r.prompt, r.tokens, VOCAB, K)]
+    leak = np.random.default_rng(5).random(len(values)) < 1 / 500
+    values = [2 if leaked else v for v, leaked in zip(values, leak, strict=True)]
+    fit = sampling.goodness_of_fit(values, design, ALPHA, TV)
+    assert 0 < leak.sum() < 30 and fit["outside_support"] == leak.sum()
+    assert not fit["passed"] and fit["p_value"] == 0.0
+
+
+def test_two_sample_passes_two_correct_runs_and_fails_a_temperature_change():
+    """Homogeneity of two offset samples: two correct runs (different seeds) are alike; a
+    correct run against a T = 1 one is not."""
+    for a, b in ((0, 1), (2, 3), (4, 5)):
+        test = sampling.two_sample(correct_run(a)[0], correct_run(b)[0], K, ALPHA, TV)
+        assert test["passed"] and test["df"] == K - 1, test
+        assert test["power"] > 0.5
+    hot = [v for r in batch(Sampler(reference_probs(LOGITS, VOCAB, 1.0)), 0)
+           for v in sampling.offsets(r.prompt, r.tokens, VOCAB, K)]
+    test = sampling.two_sample(correct_run(0)[0], hot, K, ALPHA, TV)
+    assert not test["passed"] and test["p_value"] < 1e-20
+    leaky = [sampling.OFF_SUPPORT if i % 100 == 0 else v for i, v in enumerate(correct_run(1)[0])]
+    test = sampling.two_sample(correct_run(0)[0], leaky, K, ALPHA, TV)        # 71 tokens off the support
+    assert not test["passed"] and test["df"] == K, test
+
+
+def test_acceptance_is_exact_where_off_support_drafts_are_likely():
+    """A design whose off-support tokens are not negligible (logits 2 .. 0.5 against 12 zeros,
+    T = 1): successor drafts often land off the support, where a draft's acceptance probability
+    is that one token's p(d) = other / (V - K), not `other` (the mass of all of them). A correct
+    sampler passes; the replay's expected counts are what it accepted."""
+    logits, vocab = (2.0, 1.5, 1.0, 0.5), 16
+    design = sampling.Design(logits, vocab, 1.0)
+    sampler = Sampler(reference_probs(logits, vocab, 1.0))
+    parts = []
+    for i in range(16):
+        r = generate(sampler, [[5, 6, 7], [3, 2], [14, 15]][i % 3], 200, np.random.default_rng([99, i]))
+        assert sampling.offsets(r.prompt, r.tokens, vocab, len(logits)).count(sampling.OFF_SUPPORT) > 0
+        parts.append(sampling.acceptance(r.prompt, r.tokens, r.drafts, r.accepted, design, DRAFTS, f"request {i}"))
+    test = sampling.acceptance_test(parts, DRAFTS, ALPHA, TV)
+    assert test["passed"], test
+    assert np.all(np.abs(np.array(test["accepted"]) - np.array(test["expected"]))
+                  < 5 * np.sqrt(np.array(test["expected"]))), test
+
+
+# --------------------------------------------------------------------------- 4. acceptance by hand
+
+# prompt [5, 6, 7]: the answer is 8, and after 8 the successor drafts 9, 10, 11 are each the
+# answer at their position (offset 0, p0 = 0.586) while the emitted tokens stay consecutive.
+PROMPT = [5, 6, 7]
+P = DESIGN.probs()[0]
+
+
+def _replay(tokens, drafts, accepted, design=DESIGN):
+    return sampling.acceptance(PROMPT, tokens, drafts, accepted, design, DRAFTS, "r")
+
+
+def test_acceptance_counts_a_consistent_request():
+    """Two steps: 1 accepted then a recovery (12, not the rejected 10); then 3 accepted and a
+    bonus. Positions verified: 0, 1 in the first step, 0, 1, 2 in the second."""
+    # step 0 after [.., 8]: drafts 9 10 11, accepts 9, recovers 12 (answer after [.., 8, 9] is 10)
+    # step 1 after [.., 8, 9, 12]: answer 11, drafts 13 14 15 (offsets 2, and so on)
+    tokens = [8, 9, 12, 13, 14, 15, 16]
+    out = _replay(tokens, [[9, 10, 11], [13, 14, 15]], [1, 3])
+    assert not out.impossible, out.impossible
+    assert out.trials == [2, 2, 1] and out.accepted == [2, 1, 1]
+    seq = [*PROMPT, 8, 9, 12]
+    want = [P[0] + P[(13 - context_answer(seq)) % VOCAB], 2 * P[0]]
+    assert out.expected[:2] == pytest.approx(want)
+
+
+def test_acceptance_flags_emitted_tokens_that_are_not_the_accepted_drafts():
+    out = _replay([8, 10, 11], [[9, 10, 11]], [1])
+    assert len(out.impossible) == 1 and "emitted [10, 11] but accepted 1" in out.impossible[0]
+
+
+def test_acceptance_flags_the_rejected_draft_as_its_own_recovery():
+    out = _replay([8, 9, 10], [[9, 10, 11]], [1])
+    assert len(out.impossible) == 1 and "rejected draft 10 itself" in out.impossible[0]
+
+
+def test_acceptance_flags_an_accepted_draft_the_target_cannot_emit():
+    """Beyond the support (offset 12: p ~ 2.5e-18) and truncated away (offset 2 under top_k = 2:
+    p = 0), an accepted draft is impossible; the same draft rejected is not."""
+    out = _replay([8, 21, 9], [[21, 22, 23]], [1])                  # 21 - 9 = offset 12
+    assert any("draft 21 accepted at position 0" in line for line in out.impossible)
+    truncated = sampling.Design(LOGITS, VOCAB, T, top_k=2)
+    out = _replay([8, 11, 9], [[11, 12, 13]], [1], truncated)       # 11 - 9 = offset 2
+    assert any("draft 11 accepted at position 0" in line and "0.0e+00" in line for line in out.impossible)
+    out = _replay([8, 9], [[11, 12, 13]], [0], truncated)
+    assert not out.impossible and out.trials == [1, 0, 0] and out.expected == [0.0, 0.0, 0.0]
+
+
+def test_acceptance_does_not_flag_the_last_step_cut_short_by_max_tokens():
+    """max_tokens = 3: the step accepted all three drafts, but only two tokens fit."""
+    out = _replay([8, 9, 10], [[9, 10, 11]], [3])
+    assert not out.impossible
+    assert out.trials == [1, 1, 1] and out.accepted == [1, 1, 1]
+    out = _replay([8, 9], [[9, 10, 11]], [1])                       # cut before the recovery
+    assert not out.impossible and out.trials == [1, 1, 0]
+
+
+def test_acceptance_of_an_off_support_draft_is_that_tokens_probability():
+    """p(d) for one token beyond the support is other / (V - K) (the zero logits share `other`)."""
+    design = sampling.Design((2.0, 1.5, 1.0, 0.5), 16, 1.0)
+    probs, other = design.probs()
+    out = sampling.acceptance(PROMPT, [8, 9], [[15, 10, 11]], [0], design, DRAFTS, "r")   # 15 - 9 = offset 6
+    assert out.expected[0] == pytest.approx(other / (16 - 4))
+    assert out.variance[0] == pytest.approx(other / 12 * (1 - other / 12))
+
+
+# --------------------------------------------------------------------------- 5. goodness of fit by hand
+
+def _perfect(design: sampling.Design, n: int) -> list[int | str]:
+    probs, _ = design.probs()
+    counts = [round(n * p) for p in probs]
+    return [j for j, c in enumerate(counts) for _ in range(c)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 2}, {"top_p": 0.8}, {"top_k": 3}])
+def test_goodness_of_fit_on_a_perfect_sample_and_one_impossible_token(kw):
+    """counts == expected: p ~ 1. One token off the support (probability ~1e-15, or 0 after
+    truncation) added: p < 1e-6, its binomial tail, however perfect the rest."""
+    design = sampling.Design(LOGITS, VOCAB, T, **kw)
+    values = _perfect(design, 10_000)
+    fit = sampling.goodness_of_fit(values, design, ALPHA, TV)
+    assert fit["passed"] and fit["p_value"] > 0.99 and fit["outside_support"] == 0
+    assert fit["df"] == sum(p > 0 for p in design.probs()[0]) - 1
+    fit = sampling.goodness_of_fit([*values, sampling.OFF_SUPPORT], design, ALPHA, TV)
+    assert fit["outside_support"] == 1 and fit["p_value"] < 1e-6 and not fit["passed"]
+    if kw:                                    # an offset truncation removed counts as outside too
+        removed = next(j for j, p in enumerate(design.probs()[0]) if p == 0)
+        fit = sampling.goodness_of_fit([*values, removed], design, ALPHA, TV)
+        assert fit["outside_support"] == 1 and fit["p_value"] == 0.0 and not fit["passed"]
+
+
+def test_goodness_of_fit_statistic_is_pearsons():
+    """Against scipy's chisquare on the same counts (the sample of seed 0)."""
+    values = correct_run(0)[0]
+    fit = sampling.goodness_of_fit(values, DESIGN, ALPHA, TV)
+    counts, _ = sampling.histogram(values, K)
+    p = np.array(DESIGN.probs()[0])
+    want = stats.chisquare(counts, len(values) * p / p.sum())
+    assert fit["statistic"] == pytest.approx(want.statistic, abs=1e-3)
+    assert fit["p_value"] == pytest.approx(want.pvalue, rel=1e-6)
