@@ -4,6 +4,7 @@ under the model-source mode, written to plan.json by the session and read back b
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -12,6 +13,62 @@ from typing import Any
 from specgate.manifest import E2EConfig, Manifest, ManifestError, _Reader
 
 PLAN_VAR = "SPECGATE_E2E_PLAN"
+SEED_VAR = "SPECGATE_SAMPLING_SEED"     # another seed set for the sampling requests (the control study)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """[e2e.sampling]: the requests every sampling engine generates and the bounds its checks
+    hold (specgate.e2e.sampling), and the vLLM defect declared on the versions that have it."""
+    temperature: float
+    top_k: int
+    top_p: float
+    false_alarm: float
+    power: float
+    tv_shift: float
+    seed_base: int
+    greedy_requests: int
+    sampled_requests: int
+    truncated_requests: int
+    max_tokens: int
+    truncated_max_tokens: int
+    released_max_tokens: int
+    prompts: list[list[int]]        # cycled over the requests
+    defect: dict[str, Any]          # {"issue", "reason", "versions", "repair"}
+
+    @classmethod
+    def parse(cls, manifest: Manifest, table: dict[str, Any]) -> Sampling:
+        r = _Reader(manifest.path, table, "e2e.sampling.")
+        counts = {key: r.get(key, int, "a positive integer") for key in (
+            "seed_base", "greedy_requests", "sampled_requests", "truncated_requests", "max_tokens",
+            "truncated_max_tokens", "released_max_tokens")}
+        for key, value in counts.items():
+            if value <= 0:
+                raise r.fail(key, "a positive integer", value)
+        seed = os.environ.get(SEED_VAR)
+        if seed is not None:
+            if not seed.isdigit():
+                raise ManifestError(f"{SEED_VAR}={seed!r}: expected a non-negative integer (the first request's seed)")
+            counts["seed_base"] = int(seed)
+        unit = {key: r.get(key, float, "a number in (0, 1)") for key in ("top_p", "false_alarm", "power", "tv_shift")}
+        for key, value in unit.items():
+            if not 0 < value < 1:
+                raise r.fail(key, "a number in (0, 1)", value)
+        defect = r.table("known_defect")
+        prompts = r.get("prompts", list, "a list of token-id lists")
+        if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p)
+                                  for p in prompts):
+            raise r.fail("prompts", "a non-empty list of non-empty token-id lists", prompts)
+        run = r.get("ngram_prompt_run", list, "[first, end] of a token run", None)
+        if run is not None:
+            if not (len(run) == 2 and all(isinstance(t, int) for t in run) and 0 <= run[0] < run[1] - 2):
+                raise r.fail("ngram_prompt_run", "[first, end] of a token run", run)
+            prompts = [*prompts, [*range(run[0], run[1]), run[0], run[0] + 1]]
+        return cls(temperature=r.get("temperature", float, "a temperature > 0"),
+                   top_k=r.get("top_k", int, "an integer >= 1"), **unit, **counts, prompts=[list(p) for p in prompts],
+                   defect={"issue": defect.str("issue"), "reason": defect.str("reason"),
+                           "versions": list(defect.str_list("versions")),
+                           "repair": defect.str("repair", choices=("vllm-55005",))})
 
 
 @dataclass(frozen=True)
@@ -28,6 +85,7 @@ class Settings:
     prompts: tuple[str, ...]
     known_answer_prompts: tuple[tuple[int, ...], ...]
     known_answer_max_tokens: int
+    sampling: Sampling | None = None
 
     @classmethod
     def parse(cls, manifest: Manifest) -> Settings:
@@ -58,6 +116,7 @@ class Settings:
             prompts=prompts,
             known_answer_prompts=tuple(tuple(p) for p in known),
             known_answer_max_tokens=positive("known_answer_max_tokens"),
+            sampling=Sampling.parse(manifest, r.data["sampling"]) if "sampling" in r.data else None,
         )
 
     def child_env(self) -> dict[str, str | None]:
@@ -80,6 +139,7 @@ class Model:
     answer_rule: str | None  # a known-answer target's specgate.knownanswer rule
     vocab_size: int | None
     architecture: str | None
+    answer_logits: list[float] | None = None   # a sampling target's logits on answer + j (specgate.e2e.sampling)
 
     @property
     def ident(self) -> str:
@@ -102,6 +162,7 @@ class Config:
     known_answer: dict[str, Any] | None  # {"target": Model, "draft": Model|None, "floor", "exact_drafts"}
     known_defect: dict[str, Any] | None  # {"raises", "symptom", "reason"}
     measured: dict[str, Any]
+    sampling: dict[str, Any] | None = None  # {"target": Model, "draft": Model|None, "draft_sample_methods"}
 
     @property
     def model_source(self) -> str:
@@ -130,7 +191,7 @@ def resolved_model(manifest: Manifest, repo_id: str, mode: str) -> Model:
     if src.source == "fixture":
         facts = fixtures.describe(manifest, src.fixture)
         return Model(repo_id, "fixture", src.path, facts["hash"], src.fixture, src.status, src.reason,
-                     facts.get("known_answer"), vocab, arch)
+                     facts.get("known_answer"), vocab, arch, facts.get("answer_logits"))
     return Model(repo_id, "hub", src.path, src.revision, src.fixture, src.status, src.reason, None, vocab, arch)
 
 
@@ -142,7 +203,7 @@ def fixture_model(manifest: Manifest, name: str) -> Model:
     facts = fixtures.describe(manifest, name)
     vocab, arch = _folder_facts(path)
     return Model(name, "fixture", path, facts["hash"], name, "fixture", "known-answer fixture",
-                 facts.get("known_answer"), vocab, arch)
+                 facts.get("known_answer"), vocab, arch, facts.get("answer_logits"))
 
 
 def _known_answer(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
@@ -165,6 +226,27 @@ def _known_answer(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | Non
         raise r.fail("wrong_at", "a draft position (0 .. num_speculative_tokens - 1) with exact_drafts", wrong_at)
     return {"target": target, "draft": draft, "floor": floor, "exact_drafts": exact, "wrong_at": wrong_at,
             "note": r.str("note", default=None)}
+
+
+def _sampling(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
+    raw = config.raw.get("sampling")
+    if raw is None:
+        return None
+    r = _Reader(manifest.path, raw, f"e2e.configs[{config.id}].sampling.")
+    target, draft = r.str("target"), r.str("draft", default=None)
+    for key, name in (("target", target), ("draft", draft)):
+        if name is not None and name not in manifest.fixtures:
+            raise r.fail(key, "a fixture declared under [fixtures]", name)
+    methods = r.str_list("draft_sample_methods", default=("greedy",))
+    if not methods or set(methods) - {"greedy", "probabilistic"}:
+        raise r.fail("draft_sample_methods", "a non-empty list of greedy, probabilistic", list(methods))
+    defect = r.get("known_defect", dict, "a table", None)
+    if defect is not None:
+        d = _Reader(manifest.path, defect, f"e2e.configs[{config.id}].sampling.known_defect.")
+        defect = {"raises": d.str("raises"), "symptom": d.str("symptom"), "reason": d.str("reason"),
+                  "requests": d.str("requests", choices=("top_k",))}
+    return {"target": fixture_model(manifest, target), "draft": fixture_model(manifest, draft) if draft else None,
+            "draft_sample_methods": list(methods), "known_defect": defect}
 
 
 def _known_defect(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
@@ -202,6 +284,7 @@ def resolve_config(manifest: Manifest, config: E2EConfig, mode: str) -> Config:
         known_answer=known,
         known_defect=_known_defect(manifest, config),
         measured=_table(manifest, config, "measured"),
+        sampling=_sampling(manifest, config),
     )
 
 
@@ -245,6 +328,9 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     if data["known_answer"]:
         data["known_answer"] = {**data["known_answer"], "target": _model(data["known_answer"]["target"]),
                                 "draft": _model(data["known_answer"]["draft"])}
+    if data.get("sampling"):
+        data["sampling"] = {**data["sampling"], "target": _model(data["sampling"]["target"]),
+                            "draft": _model(data["sampling"]["draft"])}
     return Config(**data)
 
 
@@ -252,7 +338,8 @@ def load_plan(path: str | Path) -> tuple[str, Settings, list[Config]]:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     settings = data["settings"]
     settings = Settings(**{**settings, "prompts": tuple(settings["prompts"]),
-                           "known_answer_prompts": tuple(tuple(p) for p in settings["known_answer_prompts"])})
+                           "known_answer_prompts": tuple(tuple(p) for p in settings["known_answer_prompts"]),
+                           "sampling": Sampling(**settings["sampling"]) if settings.get("sampling") else None})
     return data["model_mode"], settings, [config_from_dict(c) for c in data["configs"]]
 
 

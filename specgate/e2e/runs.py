@@ -3,7 +3,9 @@ start in, their LLM(...) arguments and prompts, and which configs each test cove
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+import json
+import os
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,8 @@ class Run:
     k: int
     speculative: tuple[tuple[str, Any], ...] = ()
     engine: tuple[tuple[str, Any], ...] = ()
+    requests: str = ""            # "": greedy, known answer or text; SAMPLED or RELEASED: sampling_requests
+    repair: str | None = None     # a specgate.enginehooks repair the engine runs with
 
     @property
     def known_answer(self) -> bool:
@@ -36,11 +40,13 @@ class Run:
         if self.draft:
             parts.insert(1, self.draft.ident)
         parts += [f"{k}={v}" for k, v in self.engine]
+        parts += [f"requests={self.requests}"] * bool(self.requests) + [f"repair={self.repair}"] * bool(self.repair)
         return " ".join(parts)
 
     def baseline(self) -> Run:
-        """The same target with no speculation (engine keys that speculation needs stay)."""
-        return Run(self.target, None, "none", 0, (), self.engine)
+        """The same target and requests with no speculation (engine keys that speculation needs
+        stay; a repair does not: without drafts no rejection sampler runs)."""
+        return Run(self.target, None, "none", 0, (), self.engine, self.requests and SAMPLED)
 
 
 def spec_run(config: Config) -> Run:
@@ -53,6 +59,105 @@ def known_answer_run(config: Config) -> Run:
     hub target (e.g. a workaround) and stay out."""
     known = config.known_answer or {}
     return Run(known["target"], known["draft"], config.method, config.k, tuple(sorted(config.speculative.items())))
+
+
+SAMPLED, RELEASED = "sampled", "released"
+TOP_P_ONLY = "sampled-top-p"   # SAMPLED with top-p in place of top-k (a declared top-k defect)
+TOP_K = "top-k"                # the sampled and top-k requests alone: the declared defect's reproduction
+
+
+def sampling_run(config: Config, draft_sample_method: str, repair: str | None, requests: str = SAMPLED) -> Run:
+    """The config's method on its sampling fixtures, drafts sampled greedily or probabilistically."""
+    s = config.sampling or {}
+    speculative = {**config.speculative, **({"draft_sample_method": draft_sample_method}
+                                            if draft_sample_method != "greedy" else {})}
+    if requests == SAMPLED and s.get("known_defect"):
+        requests = TOP_P_ONLY
+    return Run(s["target"], s["draft"], config.method, config.k, tuple(sorted(speculative.items())),
+               requests=requests, repair=repair)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    role: str                      # greedy | sampled | top_k | top_p
+    params: dict[str, Any]         # vLLM SamplingParams
+
+
+def sampling_requests(run: Run, settings: Settings) -> list[Request]:
+    """The requests of a sampling engine: greedy ones first (so they share a batch with
+    sampled ones), then the sampled, then the truncated; the release's own run (RELEASED)
+    has only the sampled ones, shorter."""
+    s = settings.sampling
+    assert s is not None
+    prompts = s.prompts
+    common = {"ignore_eos": True, "logprobs": settings.num_logprobs, "temperature": s.temperature}
+    out: list[Request] = []
+    if run.requests == RELEASED:
+        return [Request(prompts[i % len(prompts)], "sampled",
+                        {**common, "seed": s.seed_base + i, "max_tokens": s.released_max_tokens})
+                for i in range(s.sampled_requests)]
+    if run.requests == TOP_K:
+        return [Request(prompts[i % len(prompts)], "top_k" if i % 2 else "sampled",
+                        {**common, **({"top_k": s.top_k} if i % 2 else {}), "seed": s.seed_base + i,
+                         "max_tokens": s.released_max_tokens}) for i in range(s.sampled_requests)]
+    for i in range(s.greedy_requests):
+        out.append(Request(prompts[i % len(prompts)], "greedy",
+                           {**common, "temperature": 0.0, "max_tokens": settings.known_answer_max_tokens}))
+    for i in range(s.sampled_requests):
+        out.append(Request(prompts[i % len(prompts)], "sampled",
+                           {**common, "seed": s.seed_base + i, "max_tokens": s.max_tokens}))
+    for i in range(s.truncated_requests):
+        top_k = i < s.truncated_requests // 2 and run.requests != TOP_P_ONLY
+        role, cut = ("top_k", {"top_k": s.top_k}) if top_k else ("top_p", {"top_p": s.top_p})
+        seed = s.seed_base + s.sampled_requests + i
+        out.append(Request(prompts[i % len(prompts)], role, {**common, **cut, "seed": seed,
+                                                            "max_tokens": s.truncated_max_tokens}))
+    return out
+
+
+def sampling_cases(configs: Iterable[E2EConfig]) -> list[str]:
+    """"<config id>/<draft sample method>" for every config with a [sampling] table."""
+    cases = []
+    for c in configs:
+        table = c.raw.get("sampling")
+        if isinstance(table, dict):
+            cases += [f"{c.id}/{m}" for m in table.get("draft_sample_methods", ["greedy"])]
+    return cases
+
+
+def sampling_targets(configs: Iterable[E2EConfig]) -> list[str]:
+    return sorted({c.raw["sampling"]["target"] for c in configs if isinstance(c.raw.get("sampling"), dict)})
+
+
+def build_version(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The vLLM version under test: as nox resolved the build, else this interpreter's (no import)."""
+    from importlib import metadata
+
+    from specgate import build
+
+    if environ.get(build.RECORD_VAR):
+        return json.loads(environ[build.RECORD_VAR]).get("version")
+    for name in build.DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def defect_repair(settings: Settings, version: str | None) -> str | None:
+    """The repair the sampling engines run with: the declared defect's, on the versions that
+    have it (their release's own behaviour is then test_sampling_release's strict xfail)."""
+    s = settings.sampling
+    return s.defect["repair"] if s and version in s.defect["versions"] else None
+
+
+def repeated(requests: list[Request]) -> list[int]:
+    """Which requests a sampling engine generates a second time (seeded determinism): the
+    greedy ones and the first two sampled."""
+    sampled = [i for i, r in enumerate(requests) if r.role == "sampled"]   # the same indices in every SAMPLED set
+    return [i for i, r in enumerate(requests) if r.role == "greedy"] + sampled[:2]
 
 
 def runs_for(test: str, config: Config) -> list[Run]:

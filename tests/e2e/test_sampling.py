@@ -1,0 +1,244 @@
+"""Speculative sampling at temperature > 0 through real vLLM engines, against an exact oracle
+(specgate.e2e.sampling: the theorem that speculation leaves the target's distribution
+unchanged, on targets whose distribution is known at every position).
+
+Each case is a config with a [sampling] table and a draft sample method. On a vLLM version the
+manifest declares to have vLLM #55005 ([e2e.sampling.known_defect]), the case's engines run
+with the runtime repair (specgate.enginehooks), so the checks still show what they catch, and
+test_sampling_release runs the release as built: a strict xfail citing the issue, which fails
+loudly the day a build no longer has the defect. Every row records its statistics.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+from test_spec_decode import _generate
+
+from specgate import knownanswer
+from specgate.e2e import compare, report, runs, sampling
+
+pytestmark = pytest.mark.e2e
+
+LOGPROB_TOLERANCE = 0.01     # bf16 logits land on the design's values (multiples of 0.5 near 24)
+
+
+def _design(result, request: runs.Request) -> sampling.Design:
+    logits = result.run.target.answer_logits
+    assert logits, f"{result.run.target.name}: fixture.json names no answer_logits; not a sampling target"
+    p = request.params
+    return sampling.Design(tuple(logits), result.run.target.vocab_size, p["temperature"] or 1.0,
+                           p.get("top_k", 0), p.get("top_p", 1.0))
+
+
+def _offsets(result, roles: tuple[str, ...]) -> tuple[list[int | str], sampling.Design]:
+    """The pooled offsets of the requests in `roles`, and their (shared) design."""
+    chosen = [(i, r) for i, r in enumerate(result.requests) if r.role in roles]
+    designs = {_design(result, r).probs()[0].__repr__(): _design(result, r) for _, r in chosen}
+    assert len(designs) == 1, f"requests {roles} sample from different distributions; pool them separately"
+    values: list[int | str] = []
+    for i, r in chosen:
+        values += sampling.offsets(r.prompt, result.token_ids[i], result.run.target.vocab_size,
+                                   len(result.run.target.answer_logits))
+    return values, next(iter(designs.values()))
+
+
+def _bounds(plan):
+    s = plan.settings.sampling
+    return s.false_alarm, s.tv_shift, s.power
+
+
+def _record(row: dict, name: str, test: dict, engine_run: runs.Run) -> None:
+    row.setdefault("sampling", {})[name] = {**test, "engine": engine_run.key}
+
+
+def _require(test: dict, what: str, want_power: float | None = None) -> None:
+    if want_power is not None:
+        assert test["power"] >= want_power, (
+            f"{what}: power {test['power']:.4f} < {want_power} against a shift of total variation "
+            f"{test['tv_shift']} with {test['n']} samples; the check would be too weak to trust")
+    outside = f", {test['outside_support']} outside the support" if test.get("outside_support") else ""
+    assert test["passed"], (f"{what}: chi-square {test['statistic']} on {test['df']} df, p = {test['p_value']:.3g} "
+                            f"< {test['alpha']} (counts {test.get('counts')}, expected {test.get('expected')}{outside})"
+                            + "".join(f"\n  {line}" for line in test.get("impossible", [])))
+
+
+def _case(plan, engines, sampling_case: str, row: dict):
+    spec_run, base_run, _ = plan.sampling_runs(sampling_case)
+    row.update(report.run_identity(spec_run), case=sampling_case, repair=spec_run.repair)
+    return _generate(engines, plan, spec_run, row), spec_run
+
+
+@pytest.mark.configs("sampling_target")
+def test_sampling_target_follows_design(target_fixture, plan, engines, row):
+    """The oracle itself, on the target alone: at every position vLLM's own logprobs equal the
+    analytic ones (bf16 included), and the sampled offsets follow the design's distribution."""
+    run = plan.sampling_baseline(target_fixture)
+    row.update(report.run_identity(run))
+    result = _generate(engines, plan, run, row)
+    logits = result.run.target.answer_logits
+    design = sampling.Design(tuple(logits), result.run.target.vocab_size, 1.0)
+    want, far = design.raw_logprobs(), []
+    for i, (request, tokens) in enumerate(zip(result.requests, result.token_ids, strict=True)):
+        seq = list(request.prompt)
+        for position, (token, step) in enumerate(zip(tokens, result.logprobs[i], strict=True)):
+            a = sampling.answer(seq, design.vocab)
+            for j, lp in enumerate(want):
+                got = step.get((a + j) % design.vocab)
+                if got is None or abs(got - lp) > LOGPROB_TOLERANCE:
+                    far.append(f"request {i} position {position}: logprob of answer + {j} is {got}, designed {lp:.4f}")
+            seq.append(token)
+    row["logprob_mismatches"] = len(far)
+    assert not far, f"{len(far)} logprobs off the design by more than {LOGPROB_TOLERANCE}:\n" + "\n".join(far[:10])
+    alpha, tv, want_power = _bounds(plan)
+    values, design = _offsets(result, ("sampled",))
+    test = sampling.goodness_of_fit(values, design, alpha, tv)
+    _record(row, "distribution", test, run)
+    _require(test, "the target alone", want_power)
+
+
+@pytest.mark.configs("sampling")
+def test_sampling_distribution(sampling_case, plan, engines, row):
+    """With speculation the sampled tokens still follow the target's distribution at T."""
+    result, run = _case(plan, engines, sampling_case, row)
+    assert result.counters["drafted_tokens"] > 0, "no drafts: the check would not test speculation"
+    alpha, tv, want_power = _bounds(plan)
+    values, design = _offsets(result, ("sampled",))
+    test = sampling.goodness_of_fit(values, design, alpha, tv)
+    _record(row, "distribution", test, run)
+    _require(test, f"{sampling_case}: offsets at T={design.temperature}", want_power)
+
+
+@pytest.mark.configs("sampling")
+def test_sampling_truncated(sampling_case, plan, engines, row):
+    """top-k and top-p requests follow the truncated, renormalised distribution."""
+    result, run = _case(plan, engines, sampling_case, row)
+    alpha, tv, want_power = _bounds(plan)
+    values, design = _offsets(result, ("top_k", "top_p"))
+    test = sampling.goodness_of_fit(values, design, alpha, tv)
+    _record(row, "truncated", test, run)
+    _require(test, f"{sampling_case}: top-k/top-p offsets", want_power)
+
+
+@pytest.mark.configs("sampling")
+def test_sampling_acceptance(sampling_case, plan, engines, row):
+    """Every verified draft is accepted with the probability the target gives it: per draft
+    position, accepted counts against the analytic sum; and no step emits what a correct
+    sampler cannot (an impossible draft accepted, the rejected draft as its own recovery)."""
+    result, run = _case(plan, engines, sampling_case, row)
+    alpha, tv, _ = _bounds(plan)
+    parts = []
+    for i, request in enumerate(result.requests):
+        if request.role == "greedy":
+            continue
+        metrics = result.request_metrics[i]
+        assert metrics is not None, f"request {i}: no per-request spec_decode_metrics (detailed)"
+        parts.append(sampling.acceptance(request.prompt, result.token_ids[i], result.data["drafts"][i],
+                                         metrics["per_step_accepted"], _design(result, request), run.k,
+                                         f"request {i}"))
+    test = sampling.acceptance_test(parts, run.k, alpha, tv)
+    _record(row, "acceptance", test, run)
+    assert sum(test["trials"]) > 0, "no draft was verified; the check would be vacuous"
+    _require(test, f"{sampling_case}: per-position acceptance {test['accepted']} of {test['trials']}, "
+                   f"expected {test['expected']}")
+
+
+@pytest.mark.configs("sampling")
+def test_sampling_mixed_batch_greedy(sampling_case, plan, engines, row):
+    """Greedy requests batched with sampled ones still give their known answer exactly."""
+    result, _ = _case(plan, engines, sampling_case, row)
+    greedy = [i for i, r in enumerate(result.requests) if r.role == "greedy"]
+    assert greedy, "[e2e.sampling] greedy_requests is 0: nothing to check"
+    vocab = result.run.target.vocab_size
+    expected = [knownanswer.continuation(knownanswer.CONTEXT_RULE, result.requests[i].prompt,
+                                         len(result.token_ids[i]), vocab) for i in greedy]
+    differ = compare.token_mismatches(expected, [result.token_ids[i] for i in greedy], ("analytic", sampling_case))
+    row["matches_expected"] = not differ
+    assert not differ, "greedy requests in a sampled batch changed:\n" + "\n".join(differ)
+
+
+@pytest.mark.configs("sampling")
+def test_sampling_spec_vs_target(sampling_case, plan, engines, row):
+    """Two-sample test of the target alone against the target with speculation, on the same
+    seeded requests: needs no analytic answer (the power is recorded, not required)."""
+    result, run = _case(plan, engines, sampling_case, row)
+    base = _generate(engines, plan, run.baseline(), {})
+    alpha, tv, _ = _bounds(plan)
+    spec_values, _ = _offsets(result, ("sampled",))
+    base_values, _ = _offsets(base, ("sampled",))
+    test = sampling.two_sample(base_values, spec_values, len(run.target.answer_logits), alpha, tv)
+    _record(row, "spec_vs_target", test, run)
+    _require(test, f"{sampling_case} against the target alone")
+
+
+@pytest.mark.configs("sampling")
+def test_sampling_seeded_determinism(sampling_case, plan, engines, row):
+    """The same per-request seeds give the same tokens when generated again, with and without
+    speculation."""
+    result, run = _case(plan, engines, sampling_case, row)
+    base = _generate(engines, plan, run.baseline(), {})
+    changed = []
+    for label, r in (("speculation", result), ("target alone", base)):
+        repeat = runs.repeated(r.requests)
+        changed += [f"{label}: {line}" for line in compare.token_mismatches(
+            [r.token_ids[i] for i in repeat], r.data["repeat_token_ids"], ("first generation", "second"))]
+    row["repeated"] = len(runs.repeated(result.requests))
+    assert not changed, "seeded requests are not reproducible:\n" + "\n".join(changed)
+
+
+@pytest.mark.configs("sampling_undrafted")
+def test_sampling_undrafted_match_target(sampling_case, plan, engines, row):
+    """A seeded request that never got a draft (ngram finds no match) generates exactly what
+    the target alone generates with that seed: verification draws nothing for it."""
+    result, run = _case(plan, engines, sampling_case, row)
+    base = _generate(engines, plan, run.baseline(), {})
+    undrafted = [i for i, r in enumerate(result.requests)      # the baseline has the same sampled requests
+                 if r.role == "sampled" and not (result.request_metrics[i] or {}).get("num_draft_tokens")]
+    drafted = [i for i, r in enumerate(result.requests) if (result.request_metrics[i] or {}).get("num_draft_tokens")]
+    row["undrafted_requests"] = undrafted
+    if not undrafted or not drafted:
+        pytest.skip(f"needs requests with and without drafts in one engine; drafted: {drafted}, undrafted: {undrafted}")
+    differ = compare.token_mismatches([base.token_ids[i] for i in undrafted], [result.token_ids[i] for i in undrafted],
+                                      ("target alone", sampling_case))
+    assert not differ, "requests without drafts changed under speculation:\n" + "\n".join(differ)
+
+
+@pytest.mark.configs("sampling_release")
+def test_sampling_release(sampling_case, plan, engines, row, request):
+    """The release as built, sampled requests only. Where the manifest declares vLLM #55005 for
+    this version it is a strict xfail citing the issue (the repaired engines carry the other
+    checks); it fails the day the build no longer has the defect."""
+    if not plan.repair:
+        pytest.skip(f"vLLM {runs.build_version()} is not declared to have the sampling defect "
+                    "([e2e.sampling.known_defect] versions): every sampling check above ran on the build as built")
+    _, _, run = plan.sampling_runs(sampling_case)
+    defect = plan.settings.sampling.defect
+    row.update(report.run_identity(run), case=sampling_case, expected_failure=defect["issue"])
+    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                          reason=f"{defect['issue']}: {defect['reason']}"))
+    result = _generate(engines, plan, run, row)
+    alpha, tv, _ = _bounds(plan)
+    values, design = _offsets(result, ("sampled",))
+    test = sampling.goodness_of_fit(values, design, alpha, tv)
+    _record(row, "distribution", test, run)
+    _require(test, f"{sampling_case} as released")
+
+
+@pytest.mark.configs("sampling_known_defect")
+def test_sampling_known_defect(sampling_case, plan, engines, row, request):
+    """A vLLM defect on this config's sampling path the manifest declares (its `sampling.known_defect`):
+    a strict xfail on its exact symptom, on requests that reach it; the config's other sampling
+    checks run without those requests. It fails the day the defect is fixed."""
+    config_id, _ = sampling_case.split("/")
+    defect = plan.configs[config_id].sampling["known_defect"]
+    run = plan.sampling_defect_run(sampling_case)
+    reason = f"{defect['symptom']}: {defect['reason']}"
+    row.update(report.run_identity(run), case=sampling_case, expected_failure=reason)
+    request.applymarker(pytest.mark.xfail(strict=True, raises=getattr(builtins, defect["raises"]), reason=reason))
+    try:
+        _generate(engines, plan, run, row)
+    except Exception as exc:
+        if type(exc).__name__ == defect["raises"] and defect["symptom"] not in str(exc):
+            raise AssertionError(f"{defect['raises']} without the declared symptom: {exc}") from exc
+        raise
