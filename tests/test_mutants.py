@@ -475,3 +475,15 @@ def test_every_mutant_fits_the_pinned_vllm():
                          capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == dict.fromkeys(catalogue.MUTANTS)
+
+
+def test_each_mutants_checks_select_the_checks_meant_to_score_it():
+    """A mutant is scored by the cpu_e2e checks its entry names (pytest -k): the greedy path's by
+    the greedy checks, the random path's by sampling checks only; none selects nothing."""
+    for expr in dict.fromkeys(m.checks for m in catalogue.CATALOGUE):
+        found = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                "-m", "e2e", "tests/e2e", "-k", expr], cwd=REPO_ROOT, capture_output=True, text=True)
+        ids = [line for line in found.stdout.splitlines() if "::" in line]
+        assert ids, f"-k {expr!r} selects no cpu_e2e check: {found.stdout[-500:]}"
+        sampling = [i for i in ids if "test_sampling" in i]
+        assert sampling == ([] if expr == "not test_sampling" else ids), expr

@@ -44,6 +44,14 @@ class Mutant:
     why_real: str
     install: Callable[[], None]
     patches: tuple[str, ...]    # "module:Attribute.path" of what install() replaces in vLLM
+    checks: str = "not test_sampling"   # the cpu_e2e checks that score it (pytest -k): the greedy ones here
+
+
+# The random path's faults are scored by the sampling checks of both eagle3 cases (greedy drafts
+# and probabilistic ones: the kernels' two branches); draws-for-undrafted needs ngram's requests
+# that never get a draft.
+SAMPLING_CHECKS = "test_sampling and eagle3-v1 and not test_sampling_release"
+UNDRAFTED_CHECKS = "test_sampling_undrafted"
 
 
 def moved(mutant: Mutant) -> str | None:
@@ -461,56 +469,59 @@ CATALOGUE = (
            "the rejection sampler's uniform draws are 0.5 at every drafted position of a sampling request",
            "the draws are made per request with its own generator; a refactor that keeps the buffer persistent "
            "and fills it once (or leaves a torch.full placeholder) tests every draft against a constant u",
-           _sampling_mutant(_uniform_constant), (f"{REJECTION_SAMPLER}:generate_uniform_probs", PROFILE_RUN)),
+           _sampling_mutant(_uniform_constant), (f"{REJECTION_SAMPLER}:generate_uniform_probs", PROFILE_RUN),
+           SAMPLING_CHECKS),
     Mutant("draft-target-swapped",
            "with draft probabilities, the acceptance test gets the target's as the draft's and vice versa",
            "the random-sample kernel takes draft_probs then target_probs, both [tokens, vocab]; passing them "
            "in the wrong order raises nothing and accepts with q/p instead of p/q",
            _sampling_mutant(lambda: _around_cpu_kernel("_rejection_random_sample_kernel_impl",
                                                        _swap_draft_and_target)),
-           (f"{CPU_KERNELS}:_rejection_random_sample_kernel_impl", PROFILE_RUN)),
+           (f"{CPU_KERNELS}:_rejection_random_sample_kernel_impl", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("recovered-from-target",
            "with draft probabilities, a rejected draft's replacement is drawn from p, not max(0, p - q)",
            "the residual needs the draft's probabilities at recovery too; a refactor that zeroes or drops "
            "draft_probs there (it is optional) over-samples the tokens the drafter already proposed",
            _sampling_mutant(lambda: _around_cpu_kernel("_sample_recovered_tokens_kernel_impl",
                                                        _recover_from_target)),
-           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN)),
+           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("rejected-draft-not-excluded",
            "without draft probabilities, a rejected draft's replacement is drawn from p with the draft included",
            "q is one-hot on such a draft, so the residual is p without it (the NO_DRAFT_PROBS mask); a kernel "
            "that drops the mask or passes zeros for q lets a rejected draft come back as its own replacement",
            _sampling_mutant(lambda: _around_cpu_kernel("_sample_recovered_tokens_kernel_impl",
                                                        _keep_rejected_draft)),
-           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN)),
+           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("bonus-argmax",
            "the bonus token of a sampling request is the argmax of its bonus logits instead of a sample",
            "the bonus token is sampled by a separate sampler call (predict_bonus_token); taking it from the "
            "target's argmax as the greedy path does makes every fully accepted step end greedily",
-           _sampling_mutant(_bonus_argmax), ("vllm.v1.sample.sampler:Sampler.forward", PROFILE_RUN)),
+           _sampling_mutant(_bonus_argmax), ("vllm.v1.sample.sampler:Sampler.forward", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("temperature-not-applied",
            "the drafted positions' target logits are verified at temperature 1 (top-k and top-p still applied)",
            "temperatures are expanded per drafted token (expand_batch_to_tokens, cf. #55005) apart from the "
            "bonus path; losing that division verifies the drafts against p at temperature 1",
            _sampling_mutant(lambda: _constrained_with(_unit_temperature)),
-           (f"{REJECTION_SAMPLER}:apply_sampling_constraints", PROFILE_RUN)),
+           (f"{REJECTION_SAMPLER}:apply_sampling_constraints", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("top-k-top-p-not-applied",
            "the drafted positions' target logits are verified without top-k and top-p (temperature applied)",
            "spec decode once left top-k/top-p to the bonus token (the RejectionSampler docstring still says "
            "so); a path that filters only the bonus verifies drafts against p with tokens the filter removes",
            _sampling_mutant(lambda: _constrained_with(_no_top_k_top_p)),
-           (f"{REJECTION_SAMPLER}:apply_sampling_constraints", PROFILE_RUN)),
+           (f"{REJECTION_SAMPLER}:apply_sampling_constraints", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("generators-ignored",
            "seeded requests' uniform and recovery draws come from the global RNG, not their generators",
            "generators are keyed by batch index in sampling_metadata; dropping the dict (or keying it by "
            "request id after a batch reorder) verifies seeded requests unseeded, so a seed no longer reproduces",
            _sampling_mutant(_generators_ignored), (f"{REJECTION_SAMPLER}:generate_uniform_probs",
-                                                  f"{REJECTION_SAMPLER}:sample_recovered_tokens", PROFILE_RUN)),
+                                                  f"{REJECTION_SAMPLER}:sample_recovered_tokens", PROFILE_RUN),
+           SAMPLING_CHECKS),
     Mutant("draws-for-undrafted",
            "a seeded request with no drafts in a step still takes one uniform draw from its generator",
            "the n == 0 skip in generate_uniform_probs keeps a seed's stream independent of drafting; a "
            "vectorised draw of max(n, 1) per request advances it anyway, so outputs depend on the batch",
-           _sampling_mutant(_draws_for_undrafted), (f"{REJECTION_SAMPLER}:generate_uniform_probs", PROFILE_RUN)),
+           _sampling_mutant(_draws_for_undrafted), (f"{REJECTION_SAMPLER}:generate_uniform_probs", PROFILE_RUN),
+           UNDRAFTED_CHECKS),
 )
 MUTANTS = {m.name: m for m in CATALOGUE}
 

@@ -1,8 +1,11 @@
 """`nox -s mutants`: the fixture-mode cpu_e2e checks, once per mutant of the catalogue.
 
-1. A control run with no mutant: every check must pass, or a kill would mean nothing.
-2. Per mutant, the same checks with the mutant installed in every engine process
-   (MUTANT_VAR). The checks that fail or error kill it; one that no check catches survives
+1. A control run with no mutant of the checks that score the chosen mutants: every one must
+   pass, or a kill would mean nothing.
+2. Per mutant, the checks its catalogue entry names (`checks`: the greedy path's faults are
+   scored by the greedy checks, the random path's by the sampling checks) with the mutant
+   installed in every engine process (MUTANT_VAR). The checks that fail or error kill it;
+   one that no check catches survives
    (a finding: add the check, or explain in the README why fixture mode cannot see it). A
    mutant whose patch never fired was not exercised and counts as a survivor too; so does
    one whose patched function moved in the build under test (--vllm): it says so, and is
@@ -58,7 +61,9 @@ def step(ctx: lifecycle.Context) -> int:
     plan = plan_dict(MODE, settings, configs, (1, 0))
 
     print(f"== {SESSION}: control run (no mutant) ==", flush=True)
-    code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / "control", args.pytest_args)
+    # The control covers exactly the checks that score the chosen mutants.
+    scope = " or ".join(f"({expr})" for expr in dict.fromkeys(m.checks for m in chosen))
+    code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / "control", [*args.pytest_args, "-k", scope])
     record["control"] = {"pytest_exit_code": code, "failed": _failed(rows),
                          "passed": sum(r["outcome"] == "passed" for r in rows)}
     if code or _failed(rows) or not rows:
@@ -76,7 +81,8 @@ def step(ctx: lifecycle.Context) -> int:
             continue
         print(f"== {SESSION}: {mutant.name}: {mutant.what} ==", flush=True)
         started = time.monotonic()
-        code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / mutant.name, args.pytest_args,
+        code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / mutant.name,
+                                            [*args.pytest_args, "-k", mutant.checks],
                                             {MUTANT_VAR: mutant.name})
         fired = sum(e.get("mutant_fired") or 0 for e in engines)
         killed_by = _failed(rows) if fired else []
