@@ -19,6 +19,9 @@ pinned nox, from the repo root, the way .ci/run runs them:
   e2e_upstream   e2e_vs_upstream_ratio: pytest wall of our fixture-mode cpu_e2e checks over that
                  of upstream's tests/v1/e2e/test_cpu_spec_decode.py on the same fixtures
                  (`--upstream-e2e`, one session runs both), warm compile cache, median of --runs
+  sampling_cost  e2e_sampling_cost_ratio: pytest wall of the whole fixture-mode cpu_e2e over that of
+                 the same session without the sampling checks (-k "not test_sampling", what cpu_e2e
+                 was before them), interleaved, warm compile cache, median of --runs
   tests          tests_pytest_s: pytest wall of `nox -R -s tests` (the fast tier: all but tests/ci), one run
   classify       classify_35mb_s, classify_grep_35mb_s: scripts/classify_failure.py and upstream's
                  `grep -E` of its retry pattern on a 35 MB log (400,000 vLLM INFO lines, then an
@@ -57,7 +60,8 @@ from specgate import artifacts, benchreport, cli, compilecache, envpin, exitcode
 from specgate.manifest import REPO_ROOT, Manifest
 
 SESSION = "bench"
-FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start", "e2e_upstream", "tests",
+FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start", "e2e_upstream", "sampling_cost",
+           "tests",
            "classify", "fresh_clone")
 NOXW = REPO_ROOT / "scripts" / "noxw.py"
 MEMINFO = Path("/proc/meminfo")
@@ -104,6 +108,7 @@ GOALS = (
     Goal("e2e_cold_s", 360.0, "fixture-mode cpu_e2e takes at most 6 min, even with a cold compile cache"),
     Goal("e2e_vs_upstream_ratio", 1.0, "our cpu_e2e checks take no longer than upstream's one e2e file"),
     Goal("e2e_warm_s", 90.0, "fixture-mode cpu_e2e takes at most 90 s with a warm compile cache"),
+    Goal("e2e_sampling_cost_ratio", 1.30, "the sampling checks make a warm cpu_e2e at most 30% longer"),
     Goal("e2e_cold_s", 180.0, "fixture-mode cpu_e2e takes at most 3 min with an empty compile cache"),
     Goal("engine_start_warm_s", 4.0, "a tiny-model engine starts in at most 4 s with a warm compile cache"),
     Goal("tests_pytest_s", 120.0, "the fast tier (nox -s tests: all but tests/ci) takes at most 120 s of pytest, warm"),
@@ -534,6 +539,39 @@ def e2e_upstream(runner: Runner, runs: int, compile_root: Path, warm: bool) -> l
     return [figure, top, bottom]
 
 
+WITHOUT_SAMPLING = (*E2E_ARGS, "--", "-k", "not test_sampling")
+
+
+def sampling_cost(runner: Runner, runs: int, compile_root: Path, warm: bool) -> list[Figure]:
+    """cpu_e2e with its sampling checks over cpu_e2e without them, each `runs` times, side by
+    side (without, then with); one untimed full run first when the compile cache is not warm."""
+    name = "e2e_sampling_cost_ratio"
+    prep = prepare(runner, "cpu_e2e")
+    if prep.problem:
+        return [Figure.missing(name, "x", prep.problem)]
+    env = {**shell_env(), compilecache.ROOT_VAR: str(compile_root)}
+    timed: dict[str, list[Sample]] = {"with": [], "without": []}
+    pair = (("without", WITHOUT_SAMPLING), ("with", E2E_ARGS))
+    plan = [("warmup", E2E_ARGS)] * (not warm) + [side for _ in range(runs) for side in pair]
+    for index, (kind, args) in enumerate(plan, start=1):
+        sample, summary = runner.session(f"e2e-sampling-{kind}-{index}", "cpu_e2e", ["-R", *args], env=env,
+                                         ok_codes=(0,))
+        wall = (summary or {}).get("pytest_wall_s")
+        if not sample.problem and not wall:
+            sample.problem = f"e2e-sampling-{kind}-{index}: no pytest_wall_s in summary.json (artifacts/{sample.log})"
+        if sample.problem:
+            timed["with"].append(sample)
+            break
+        if kind != "warmup":
+            timed[kind].append(Sample(float(wall or 0), sample.exit_code, sample.log))   # wall is set: checked above
+    top = timed_figure("e2e_with_sampling_pytest_s", timed["with"], command="nox -R " + shlex.join(E2E_ARGS))
+    bottom = timed_figure("e2e_without_sampling_pytest_s", timed["without"],
+                          command="nox -R " + shlex.join(WITHOUT_SAMPLING))
+    figure = ratio_figure(name, top, bottom, compile_cache="warm")
+    figure.samples = [round(a.seconds / b.seconds, 3) for a, b in zip(timed["with"], timed["without"], strict=False)]
+    return [figure, top, bottom]
+
+
 def tests_wall(runner: Runner) -> list[Figure]:
     """pytest's wall time in one `nox -R -s tests` (a passing run: a failing one may skip work)."""
     name = "tests_pytest_s"
@@ -690,6 +728,8 @@ def step(ctx: lifecycle.Context) -> int:
                 figures += engine_start(runner, e2e_summaries)
             elif figure == "e2e_upstream":
                 figures += e2e_upstream(runner, args.runs, compile_root, warm=bool(e2e_summaries))
+            elif figure == "sampling_cost":
+                figures += sampling_cost(runner, args.runs, compile_root, warm=bool(e2e_summaries))
             elif figure == "tests":
                 figures += tests_wall(runner)
             elif figure == "classify":
