@@ -31,11 +31,15 @@ UPSTREAM_DEPENDENCIES_0_32 = (
 )
 
 # On the CPU spec-decode path but in no upstream entry: the Triton-on-CPU shim, the C++
-# spec-decode kernels, the rejection sampler (two mutants patch it), the CPU platform.
+# spec-decode kernels, the rejection sampler and the sampler that draws its bonus tokens, the
+# top-k/top-p ops verification applies (mutants patch these, and sampling at T > 0 runs them),
+# the CPU platform.
 CPU_SPEC_DECODE_FILES = (
     "vllm/utils/cpu_triton_utils.py",
     "csrc/cpu/spec_decode_utils.cpp",
     "vllm/v1/sample/rejection_sampler.py",
+    "vllm/v1/sample/sampler.py",
+    "vllm/v1/sample/ops/topk_topp_sampler.py",
     "vllm/platforms/cpu.py",
 )
 
