@@ -23,7 +23,7 @@ REPAIRS = ("vllm-55005",)
 
 _state: dict[str, Any] = {"record": False, "repair": None}
 _order: list[str] = []                                  # request ids, in the order first scheduled
-_drafts: dict[str, list[list[int]]] = defaultdict(list)
+_drafts: dict[str, list[tuple[int, list[int]]]] = defaultdict(list)   # (tokens computed, drafts) per step
 _installed: set[str] = set()
 
 
@@ -50,8 +50,9 @@ def active(*, record: bool, repair: str | None) -> Iterator[None]:
         _state.update(record=False, repair=None)
 
 
-def drafts_by_request() -> list[list[list[int]]]:
-    """Per request (in submission order), the drafts of each step it was verified at."""
+def drafts_by_request() -> list[list[tuple[int, list[int]]]]:
+    """Per request (in submission order), each step it was verified at: the number of its tokens
+    (prompt and output) computed before that step, and the drafts."""
     return [_drafts.get(rid, []) for rid in _order]
 
 
@@ -63,9 +64,11 @@ def _install_recorder() -> None:
     def recording(self, scheduler_output, *args, **kwargs):
         if _state["record"]:
             _order.extend(r.req_id for r in scheduler_output.scheduled_new_reqs)
+            cached = scheduler_output.scheduled_cached_reqs      # drafts only ever go to running requests
+            computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             for rid, tokens in scheduler_output.scheduled_spec_decode_tokens.items():
                 if tokens:
-                    _drafts[rid].append([int(t) for t in tokens])
+                    _drafts[rid].append((computed[rid], [int(t) for t in tokens]))
         return execute(self, scheduler_output, *args, **kwargs)
 
     CPUModelRunner.execute_model = recording

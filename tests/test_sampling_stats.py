@@ -451,6 +451,15 @@ def test_acceptance_counts_a_consistent_request():
     assert out.expected[:2] == pytest.approx(want)
 
 
+def test_acceptance_replays_a_step_after_undrafted_ones_from_where_it_started():
+    """ngram leaves steps undrafted: the same drafted step, verified after two plain steps (8 and
+    9 emitted one by one), is consistent only when replayed from its start."""
+    tokens = [8, 9, 10, 11, 13]           # after [.., 8, 9]: drafts 10 11 12, two accepted, then 13
+    out = sampling.acceptance(PROMPT, tokens, [[10, 11, 12]], [2], DESIGN, DRAFTS, "r", starts=[2])
+    assert not out.impossible and out.trials == [1, 1, 1] and out.accepted == [1, 1, 0]
+    assert _replay(tokens, [[10, 11, 12]], [2]).impossible      # replayed as if it followed the prefill
+
+
 def test_acceptance_flags_emitted_tokens_that_are_not_the_accepted_drafts():
     out = _replay([8, 10, 11], [[9, 10, 11]], [1])
     assert len(out.impossible) == 1 and "emitted [10, 11] but accepted 1" in out.impossible[0]

@@ -186,15 +186,21 @@ class Acceptance:
 
 
 def acceptance(prompt: Sequence[int], tokens: Sequence[int], drafts: Sequence[Sequence[int]],
-               per_step_accepted: Sequence[int], design: Design, k: int, label: str) -> Acceptance:
+               per_step_accepted: Sequence[int], design: Design, k: int, label: str,
+               starts: Sequence[int] | None = None) -> Acceptance:
     """Replay one request: every verification step's drafts (as the scheduler sent them) against
     the tokens the request emitted. A draft d at a position with answer a is accepted with
     probability p(d - a) (one-hot drafts). The emitted tokens must be the accepted drafts, then
-    one token that differs from the first rejected draft (recovery excludes it)."""
+    one token that differs from the first rejected draft (recovery excludes it). `starts`: how
+    many tokens the request had emitted before each drafted step (None: every step after the
+    prefill drafted, as the model-based drafters do; ngram skips steps)."""
     probs, other = design.probs()
     out = Acceptance([0] * k, [0] * k, [0] * k, [0.0] * k, [0.0] * k, [])
-    seq, emitted = list(prompt) + list(tokens[:1]), 1        # the prefill step emits one token
+    emitted = 1                                              # the prefill step emits one token
     for step, (proposal, taken) in enumerate(zip(drafts, per_step_accepted, strict=False)):
+        if starts is not None:
+            emitted = starts[step]
+        seq = list(prompt) + list(tokens[:emitted])
         for position, draft in enumerate(proposal):
             if position > taken:
                 break
@@ -216,7 +222,6 @@ def acceptance(prompt: Sequence[int], tokens: Sequence[int], drafts: Sequence[Se
         elif taken < len(proposal) and len(step_tokens) > taken and step_tokens[taken] == proposal[taken]:
             out.impossible.append(f"{label} step {step}: the token after {taken} accepted drafts is the rejected "
                                   f"draft {proposal[taken]} itself")
-        seq += step_tokens
         emitted += len(step_tokens)
     return out
 

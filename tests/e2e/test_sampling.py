@@ -134,9 +134,10 @@ def test_sampling_acceptance(sampling_case, plan, engines, row):
             continue
         metrics = result.request_metrics[i]
         assert metrics is not None, f"request {i}: no per-request spec_decode_metrics (detailed)"
-        parts.append(sampling.acceptance(request.prompt, result.token_ids[i], result.data["drafts"][i],
+        steps = result.data["drafts"][i]          # [tokens computed before the step, its drafts]
+        parts.append(sampling.acceptance(request.prompt, result.token_ids[i], [d for _, d in steps],
                                          metrics["per_step_accepted"], _design(result, request), run.k,
-                                         f"request {i}"))
+                                         f"request {i}", starts=[at + 1 - len(request.prompt) for at, _ in steps]))
     test = sampling.acceptance_test(parts, run.k, alpha, tv)
     _record(row, "acceptance", test, run)
     assert sum(test["trials"]) > 0, "no draft was verified; the check would be vacuous"
