@@ -207,6 +207,21 @@ def from_environ(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     return {**record, "location": _imported_from()}
 
 
+def version_under_test(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The vLLM version under test, cheaply: as nox resolved the build, else the version this
+    interpreter's distribution metadata says (no vLLM import, no digest)."""
+    from importlib import metadata
+
+    if environ.get(RECORD_VAR):
+        return json.loads(environ[RECORD_VAR]).get("version")
+    for name in DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def _imported_from() -> str | None:
     from importlib import metadata
 

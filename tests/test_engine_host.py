@@ -39,7 +39,8 @@ def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once
 
 def test_a_child_killed_by_a_signal_ends_the_host_with_its_status(tmp_path, monkeypatch):
     """run_engines then blames the engine the child was running (tests/ci covers that chain)."""
-    monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: os.kill(os.getpid(), 9))   # an engine the OOM killer took
+    # An engine the OOM killer took.
+    monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: os.kill(os.getpid(), 9))
     assert engine._fork_engines([_run("a", "x")], tmp_path / "result.json", {"results": {}}, None) == 128 + 9
     assert not (tmp_path / "result.json").exists()
 

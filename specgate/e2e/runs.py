@@ -3,9 +3,7 @@ start in, their LLM(...) arguments and prompts, and which configs each test cove
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +23,7 @@ class Run:
     k: int
     speculative: tuple[tuple[str, Any], ...] = ()
     engine: tuple[tuple[str, Any], ...] = ()
-    requests: str = ""            # "": greedy, known answer or text; SAMPLED or RELEASED: sampling_requests
+    requests: str = ""            # "": greedy, known answer or text; else a sampling_requests kind
     repair: str | None = None     # a specgate.enginehooks repair the engine runs with
 
     @property
@@ -128,22 +126,6 @@ def sampling_cases(configs: Iterable[E2EConfig]) -> list[str]:
 
 def sampling_targets(configs: Iterable[E2EConfig]) -> list[str]:
     return sorted({c.raw["sampling"]["target"] for c in configs if isinstance(c.raw.get("sampling"), dict)})
-
-
-def build_version(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The vLLM version under test: as nox resolved the build, else this interpreter's (no import)."""
-    from importlib import metadata
-
-    from specgate import build
-
-    if environ.get(build.RECORD_VAR):
-        return json.loads(environ[build.RECORD_VAR]).get("version")
-    for name in build.DISTRIBUTIONS:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def defect_repair(settings: Settings, version: str | None) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from specgate import cli, engine, pytestrun
+from specgate import build, cli, engine, pytestrun
 from specgate.e2e import compare, planning, report, runs
 from specgate.manifest import load
 
@@ -99,7 +99,7 @@ def plan() -> Plan:
         mode = cli.resolve_model_source(None)
         settings = planning.Settings.parse(MANIFEST)
         configs = [planning.resolve_config(MANIFEST, c, mode) for c in CONFIGS]
-    return Plan(mode, settings, {c.id: c for c in configs}, runs.defect_repair(settings, runs.build_version()))
+    return Plan(mode, settings, {c.id: c for c in configs}, runs.defect_repair(settings, build.version_under_test()))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import builtins
 import pytest
 from test_spec_decode import _generate
 
-from specgate import knownanswer
+from specgate import build, knownanswer
 from specgate.e2e import compare, report, runs, sampling
 
 pytestmark = pytest.mark.e2e
@@ -211,7 +211,7 @@ def test_sampling_release(sampling_case, plan, engines, row, request):
     this version it is a strict xfail citing the issue (the repaired engines carry the other
     checks); it fails the day the build no longer has the defect."""
     if not plan.repair:
-        pytest.skip(f"vLLM {runs.build_version()} is not declared to have the sampling defect "
+        pytest.skip(f"vLLM {build.version_under_test()} is not declared to have the sampling defect "
                     "([e2e.sampling.known_defect] versions): every sampling check above ran on the build as built")
     _, _, run = plan.sampling_runs(sampling_case)
     defect = plan.settings.sampling.defect
