@@ -11,10 +11,8 @@ loudly the day a build no longer has the defect. Every row records its statistic
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
-from test_spec_decode import _generate
+from test_spec_decode import _generate, _raise_as_declared, expect_declared_defect
 
 from specgate import build, knownanswer
 from specgate.e2e import compare, report, runs, sampling
@@ -234,12 +232,5 @@ def test_sampling_known_defect(sampling_case, plan, engines, row, request):
     config_id, _ = sampling_case.split("/")
     defect = plan.configs[config_id].sampling["known_defect"]
     run = plan.sampling_defect_run(sampling_case)
-    reason = f"{defect['symptom']}: {defect['reason']}"
-    row.update(report.run_identity(run), case=sampling_case, expected_failure=reason)
-    request.applymarker(pytest.mark.xfail(strict=True, raises=getattr(builtins, defect["raises"]), reason=reason))
-    try:
-        _generate(engines, plan, run, row)
-    except Exception as exc:
-        if type(exc).__name__ == defect["raises"] and defect["symptom"] not in str(exc):
-            raise AssertionError(f"{defect['raises']} without the declared symptom: {exc}") from exc
-        raise
+    row.update(report.run_identity(run), case=sampling_case, expected_failure=expect_declared_defect(request, defect))
+    _raise_as_declared(defect, lambda: _generate(engines, plan, run, row))

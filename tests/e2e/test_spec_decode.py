@@ -217,11 +217,21 @@ def test_known_defect(config_id, plan, engines, row, request):
     blocked = engines.blocked_reason(run)
     if blocked:
         pytest.skip(blocked)
+    row["expected_failure"] = expect_declared_defect(request, defect)
+    _raise_as_declared(defect, lambda: _generate(engines, plan, run, row))
+
+
+def expect_declared_defect(request, defect: dict) -> str:
+    """Mark the test a strict xfail on the manifest's declared defect; returns its reason."""
     reason = f"{defect['symptom']}: {defect['reason']}"
-    row["expected_failure"] = reason
     request.applymarker(pytest.mark.xfail(strict=True, reason=reason, raises=getattr(builtins, defect["raises"])))
+    return reason
+
+
+def _raise_as_declared(defect: dict, start) -> None:
+    """Run `start`; the declared exception type without the declared symptom is another failure."""
     try:
-        _generate(engines, plan, run, row)
+        start()
     except Exception as exc:
         if type(exc).__name__ == defect["raises"] and defect["symptom"] not in str(exc):
             raise AssertionError(f"{defect['raises']} without the declared symptom: {exc}") from exc
