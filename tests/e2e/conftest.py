@@ -210,7 +210,7 @@ class Engines:
                 sampled = runs.sampling_requests(run, self.settings)
                 inputs[run.key] = ([r.prompt for r in sampled], max(r.params["max_tokens"] for r in sampled), sampled)
                 request.update(prompts=[r.prompt for r in sampled], sampling=[r.params for r in sampled],
-                               repeat=runs.repeated(sampled) if run.requests == runs.SAMPLED else [],
+                               repeat=runs.repeated(sampled) if run.requests in (runs.SAMPLED, runs.TOP_P_ONLY) else [],
                                record_drafts=run.method != "none", repair=run.repair)
             else:
                 prompts, max_tokens = runs.prompts_for(run, self.settings)
