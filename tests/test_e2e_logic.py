@@ -56,6 +56,35 @@ def test_bad_settings_name_the_key(tmp_path, old, new, message):
         planning.Settings.parse(m.load(_manifest_with(tmp_path, old, new)))
 
 
+@pytest.mark.parametrize("version,repaired", [
+    ("0.32.0", True), ("0.31.0", True),
+    ("0.33.1.dev5+g1a2b3c4.cpu", True),    # a PR's dev build after the releases: the defect is still there
+    ("0.32.0+pr55006", True),              # a local build of 0.32.0 says so too, until the release test XPASSes
+    ("0.30.1", False), (None, False),
+])
+def test_the_sampling_defect_covers_the_builds_its_specifier_names(version, repaired):
+    settings = planning.Settings.parse(m.load())
+    assert runs.defect_repair(settings, version) == ("vllm-55005" if repaired else None)
+
+
+def test_without_the_sampling_declaration_nothing_is_repaired(tmp_path):
+    """A manifest with no [e2e.sampling.known_defect] runs every sampling check on the build as built."""
+    text = (REPO / "manifest.toml").read_text()
+    start = text.index("[e2e.sampling.known_defect]")
+    path = tmp_path / "manifest.toml"
+    path.write_text(text[:start] + text[text.index("[[e2e.configs]]", start):])
+    settings = planning.Settings.parse(m.load(path))
+    assert settings.sampling is not None and settings.sampling.defect is None
+    assert runs.defect_repair(settings, "0.32.0") is None
+
+
+def test_a_sampling_defect_version_that_is_no_specifier_is_one_clear_error(tmp_path):
+    path = _manifest_with(tmp_path, 'versions = ">=0.31.0"', 'versions = "0.31 or later"')
+    with pytest.raises(m.ManifestError, match=r"key 'e2e.sampling.known_defect.versions': expected a PEP 440 version "
+                                              r"specifier such as '>=0.31.0', got '0.31 or later'"):
+        planning.Settings.parse(m.load(path))
+
+
 def test_selection_covers_each_config_as_the_brief_asks():
     configs = m.load().e2e
     by_id = {c.id: c for c in configs}

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
 from specgate.manifest import E2EConfig, Manifest, ManifestError, _Reader
 
 PLAN_VAR = "SPECGATE_E2E_PLAN"
@@ -19,7 +21,7 @@ SEED_VAR = "SPECGATE_SAMPLING_SEED"     # another seed set for the sampling requ
 @dataclass(frozen=True)
 class Sampling:
     """[e2e.sampling]: the requests every sampling engine generates and the bounds its checks
-    hold (specgate.e2e.sampling), and the vLLM defect declared on the versions that have it."""
+    hold (specgate.e2e.sampling), and the vLLM defect declared for the versions that have it."""
     temperature: float
     top_k: int
     top_p: float
@@ -34,7 +36,7 @@ class Sampling:
     truncated_max_tokens: int
     released_max_tokens: int
     prompts: list[list[int]]        # cycled over the requests
-    defect: dict[str, Any]          # {"issue", "reason", "versions", "repair"}
+    defect: dict[str, Any] | None   # {"issue", "reason", "versions" (a PEP 440 specifier), "repair"}
 
     @classmethod
     def parse(cls, manifest: Manifest, table: dict[str, Any]) -> Sampling:
@@ -54,7 +56,6 @@ class Sampling:
         for key, value in unit.items():
             if not 0 < value < 1:
                 raise r.fail(key, "a number in (0, 1)", value)
-        defect = r.table("known_defect")
         prompts = r.get("prompts", list, "a list of token-id lists")
         if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p)
                                   for p in prompts):
@@ -66,9 +67,27 @@ class Sampling:
             prompts = [*prompts, [*range(run[0], run[1]), run[0], run[0] + 1]]
         return cls(temperature=r.get("temperature", float, "a temperature > 0"),
                    top_k=r.get("top_k", int, "an integer >= 1"), **unit, **counts, prompts=[list(p) for p in prompts],
-                   defect={"issue": defect.str("issue"), "reason": defect.str("reason"),
-                           "versions": list(defect.str_list("versions")),
-                           "repair": defect.str("repair", choices=("vllm-55005",))})
+                   defect=_sampling_defect(r))
+
+
+def _sampling_defect(r: _Reader) -> dict[str, Any] | None:
+    """[e2e.sampling.known_defect], if declared. `versions` is a PEP 440 specifier, so the
+    declaration also covers the dev and local versions a PR's build carries (0.33.1.dev5+g1a2b)."""
+    if not isinstance(r.data.get("known_defect"), dict):
+        return None
+    d = r.table("known_defect")
+    versions = d.str("versions")
+    try:
+        SpecifierSet(versions)
+    except InvalidSpecifier:
+        raise d.fail("versions", "a PEP 440 version specifier such as '>=0.31.0'", versions) from None
+    return {"issue": d.str("issue"), "reason": d.str("reason"), "versions": versions,
+            "repair": d.str("repair", choices=("vllm-55005",))}
+
+
+def declared_for(defect: dict[str, Any] | None, version: str | None) -> bool:
+    """Whether the declared sampling defect covers vLLM `version` (pre-releases and dev builds too)."""
+    return bool(defect and version and SpecifierSet(defect["versions"]).contains(version, prereleases=True))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.e2e.planning import Config, Model, Settings
+from specgate.e2e.planning import Config, Model, Settings, declared_for
 from specgate.manifest import E2EConfig
 
 DRAFT_MODEL_METHODS = ("eagle3", "dflash", "mtp")
@@ -129,10 +129,10 @@ def sampling_targets(configs: Iterable[E2EConfig]) -> list[str]:
 
 
 def defect_repair(settings: Settings, version: str | None) -> str | None:
-    """The repair the sampling engines run with: the declared defect's, on the versions that
-    have it (their release's own behaviour is then test_sampling_release's strict xfail)."""
+    """The repair the sampling engines run with: the declared defect's, on the versions it
+    covers (their build's own behaviour is then test_sampling_release's strict xfail)."""
     s = settings.sampling
-    return s.defect["repair"] if s and version in s.defect["versions"] else None
+    return s.defect["repair"] if s and s.defect and declared_for(s.defect, version) else None
 
 
 def repeated(requests: list[Request]) -> list[int]:

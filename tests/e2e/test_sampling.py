@@ -206,11 +206,11 @@ def test_sampling_undrafted_match_target(sampling_case, plan, engines, row):
 @pytest.mark.configs("sampling_release")
 def test_sampling_release(sampling_case, plan, engines, row, request):
     """The release as built, sampled requests only. Where the manifest declares vLLM #55005 for
-    this version it is a strict xfail citing the issue (the repaired engines carry the other
+    this build's version it is a strict xfail citing the issue (the repaired engines carry the other
     checks); it fails the day the build no longer has the defect."""
     if not plan.repair:
         pytest.skip(f"vLLM {build.version_under_test()} is not declared to have the sampling defect "
-                    "([e2e.sampling.known_defect] versions): every sampling check above ran on the build as built")
+                    "([e2e.sampling.known_defect] versions): every sampling check ran on the build as built")
     _, _, run = plan.sampling_runs(sampling_case)
     defect = plan.settings.sampling.defect
     row.update(report.run_identity(run), case=sampling_case, expected_failure=defect["issue"])
