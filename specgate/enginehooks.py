@@ -75,8 +75,19 @@ def _install_recorder() -> None:
     _installed.add("record")
 
 
-def _install_expand_repair() -> None:
+def expand_in_torch(output, input_val, cu_num_tokens, replace_from, replace_to):
+    """vLLM #55005's repair: what the released `_expand_kernel_impl` should do, in torch and
+    into the caller's tensor (PR #55006). Self-contained, so tests/wheels.py can put this very
+    source into a copy of the vLLM wheel: the repaired build."""
     import torch
+
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    output.copy_(torch.repeat_interleave(values, counts))
+
+
+def _install_expand_repair() -> None:
     from vllm.utils import cpu_triton_utils
 
     released = cpu_triton_utils._expand_kernel_impl
@@ -84,12 +95,7 @@ def _install_expand_repair() -> None:
     def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
         if _state["repair"] != "vllm-55005":
             return released(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS)
-        ends = cu_num_tokens.to(torch.int64)
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype),
-                             input_val)
-        output.copy_(torch.repeat_interleave(values, counts))
-        return None
+        return expand_in_torch(output, input_val, cu_num_tokens, replace_from, replace_to)
 
     cpu_triton_utils._expand_kernel_impl = expand
     _installed.add("vllm-55005")

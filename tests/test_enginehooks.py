@@ -5,8 +5,11 @@ an engine asked for it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import wheels
 
 from specgate import enginehooks
 
@@ -48,3 +51,19 @@ def test_the_repair_expands_into_the_callers_tensor_only_while_active(kernels, d
 def test_an_unknown_repair_is_refused():
     with pytest.raises(ValueError, match="unknown repair"):
         enginehooks.install(record=False, repairs={"vllm-1"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_the_repaired_builds_shim_expands_as_the_runtime_repair_does(kernels, dtype):
+    """tests/wheels.py's #55006 change, applied to this vLLM's own shim source (the file the
+    repaired wheel carries): the released text is there exactly once, and the result fills the
+    caller's tensor."""
+    import importlib.util
+
+    path, old, new = wheels.REPAIRED_55005
+    source = Path(kernels.__file__).read_text()
+    assert path.endswith("cpu_triton_utils.py") and source.count(old) == 1
+    spec = importlib.util.spec_from_loader("repaired_cpu_triton_utils", loader=None)
+    repaired = importlib.util.module_from_spec(spec)
+    exec(compile(source.replace(old, new), path, "exec"), repaired.__dict__)
+    assert _expand(repaired, [3, 0, 2], dtype) == torch.tensor([3, 3, 1, 1, 1, 2], dtype=dtype).tolist()

