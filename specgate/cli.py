@@ -40,6 +40,14 @@ class Parser(argparse.ArgumentParser):
         raise BadInput(f"{self.prog} {message}")
 
 
+def positive_int(value: str) -> int:
+    """An option's count: argparse turns the error into the one-line bad-input exit."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return number
+
+
 def parser(prog: str, description: str, *, shards: bool = False, model_source: bool = False,
            pytest: bool = True, build: bool = False) -> Parser:
     p = Parser(prog=f"nox -s {prog} --", description=description, takes_pytest_args=pytest)

@@ -198,7 +198,7 @@ def _evidence_record(verdict: Verdict) -> dict[str, Any]:
 def build_parser() -> cli.Parser:
     p = cli.parser(SESSION, "Say from past summary.json files whether a CI step may drop soft_fail.", pytest=False)
     history.add_options(p)
-    p.add_argument("--runs", type=history.positive_int, default=None,
+    p.add_argument("--runs", type=cli.positive_int, default=None,
                    help="clean runs needed (default: [gate] runs in manifest.toml)")
     p.add_argument("--step", action="append", choices=STEPS, default=None,
                    help="the step to judge, repeatable (default: cpu_unit and cpu_e2e)")

@@ -68,13 +68,6 @@ class Source:
         return buildkite.summaries(self.pipeline, self.builds)
 
 
-def positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return number
-
-
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history", type=Path, default=None,
                    help=f"folder of past summary.json files, searched at any depth (default ${FOLDER_VAR})")
@@ -82,7 +75,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    f"(default ${buildkite.ORG_VAR}; needs ${buildkite.TOKEN_VAR})")
     p.add_argument("--pipeline", default=None, help=f"Buildkite pipeline slug (default ${buildkite.PIPELINE_VAR})")
     p.add_argument("--branch", default=None, help=f"the branch whose builds count (default ${buildkite.BRANCH_VAR})")
-    p.add_argument("--builds", type=positive_int, default=None,
+    p.add_argument("--builds", type=cli.positive_int, default=None,
                    help="how many of the branch's most recent finished builds to read (default: [gate] "
                         "history_builds in manifest.toml)")
 

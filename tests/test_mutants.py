@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from contract import VALIDATOR
+from contract import VALIDATOR, read_valid
 
 from specgate.manifest import REPO_ROOT
 from specgate.mutants import MUTANT_VAR, catalogue, session
@@ -487,3 +487,16 @@ def test_each_mutants_checks_select_the_checks_meant_to_score_it():
         assert ids, f"-k {expr!r} selects no cpu_e2e check: {found.stdout[-500:]}"
         sampling = [i for i in ids if "test_sampling" in i]
         assert sampling == ([] if expr == "not test_sampling" else ids), expr
+
+
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_a_seed_set_count_below_one_is_one_line_of_bad_input(tmp_path, value):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_"))}
+    proc = subprocess.run([sys.executable, "-m", "specgate.mutants", "--seed-sets", value], cwd=REPO_ROOT,
+                          env={**env, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = [x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("error:")]
+    assert line.startswith("error: nox -s mutants -- argument --seed-sets:") and (value in line or "at least 1" in line)
+    summary = read_valid(tmp_path / "artifacts" / "mutants" / "summary.json")
+    assert summary["exit_code"] == 2 and summary["tests"] == []

@@ -1,7 +1,9 @@
 """`nox -s mutants`: the fixture-mode cpu_e2e checks, once per mutant of the catalogue.
 
 1. A control run with no mutant of the checks that score the chosen mutants: every one must
-   pass, or a kill would mean nothing.
+   pass, or a kill would mean nothing. `--seed-sets N` runs it on N seed sets of the sampling
+   requests (seed_base, seed_base + 1000, ...) and counts the false alarms: a statistical check
+   that fails there without a fault. `--control-only` stops after it.
 2. Per mutant, the checks its catalogue entry names (`checks`: the greedy path's faults are
    scored by the greedy checks, the random path's by the sampling checks) with the mutant
    installed in every engine process (MUTANT_VAR). The checks that fail or error kill it;
@@ -22,6 +24,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from specgate import artifacts, cli, exitcodes, lifecycle
@@ -32,12 +35,17 @@ from specgate.mutants import MUTANT_VAR, SESSION
 from specgate.mutants.catalogue import CATALOGUE, MUTANTS
 
 MODE = "fixture"     # the offline checks this session scores; hub checkpoints are not needed
+SEED_STRIDE = 1000   # between the control's seed sets: far more than the requests one set seeds
 
 
 def build_parser():
     p = cli.parser(SESSION, __doc__.splitlines()[0].split(": ", 1)[1], build=True)
     p.add_argument("--only", nargs="+", metavar="NAME", choices=list(MUTANTS),
                    help="run only these mutants (default: the whole catalogue)")
+    p.add_argument("--seed-sets", type=cli.positive_int, default=1, metavar="N",
+                   help=f"run the control on N seed sets of the sampling requests, {SEED_STRIDE} apart, "
+                        "and count its false alarms (default: 1; the mutants use the first)")
+    p.add_argument("--control-only", action="store_true", help="stop after the control run(s)")
     return p
 
 
@@ -60,16 +68,18 @@ def step(ctx: lifecycle.Context) -> int:
                               exitcodes.FAILURE)
     plan = plan_dict(MODE, settings, configs, (1, 0))
 
-    print(f"== {SESSION}: control run (no mutant) ==", flush=True)
     # The control covers exactly the checks that score the chosen mutants.
     scope = " or ".join(f"({expr})" for expr in dict.fromkeys(m.checks for m in chosen))
-    code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / "control", [*args.pytest_args, "-k", scope])
-    record["control"] = {"pytest_exit_code": code, "failed": _failed(rows),
-                         "passed": sum(r["outcome"] == "passed" for r in rows)}
-    if code or _failed(rows) or not rows:
-        record["error"] = "the control run did not pass, so no kill would mean anything: " + \
-                          (", ".join(_failed(rows)) or f"pytest exit {code}")
+    record["control"] = control = _control(manifest, settings, configs, out, [*args.pytest_args, "-k", scope],
+                                           args.seed_sets)
+    broken = [s for s in control["seed_sets"] if not s["clean"]]
+    if broken:
+        record["error"] = "the control run did not pass, so no kill would mean anything: " + "; ".join(
+            f"seed set {s['seed_base']}: " + (", ".join(s["failed"]) or f"pytest exit {s['pytest_exit_code']}")
+            for s in broken)
         return exitcodes.FAILURE
+    if args.control_only:
+        return exitcodes.OK
 
     moved = _moved(chosen)
     for mutant in chosen:
@@ -96,6 +106,29 @@ def step(ctx: lifecycle.Context) -> int:
     record["tests"] = [_entry(m) for m in results]
     print(format_table(results), flush=True)
     return exitcodes.FAILURE if any(m["survived"] for m in results) else exitcodes.OK
+
+
+def _control(manifest, settings: Settings, configs: list, out, pytest_args: list[str],
+             seed_sets: int) -> dict[str, Any]:
+    """The control run without a mutant, once per seed set; the first set is the manifest's
+    (the one the mutants run on, in out/control). A set is clean when every check passed; a
+    check that failed there is a false alarm."""
+    sampling = settings.sampling
+    variants = [(None, settings)] if sampling is None else [
+        (seed, replace(settings, sampling=replace(sampling, seed_base=seed)))
+        for seed in range(sampling.seed_base, sampling.seed_base + seed_sets * SEED_STRIDE, SEED_STRIDE)]
+    sets: list[dict[str, Any]] = []
+    for k, (seed, seeded) in enumerate(variants):
+        print(f"== {SESSION}: control run (no mutant), seed set {k + 1}/{len(variants)} (seed_base {seed}) ==",
+              flush=True)
+        code, rows, *_ = run_tests(manifest, SESSION, plan_dict(MODE, seeded, configs, (1, 0)),
+                                   out / ("control" if k == 0 else f"control-{seed}"), pytest_args)
+        passed, failed = sum(r["outcome"] == "passed" for r in rows), _failed(rows)
+        sets.append({"seed_base": seed, "pytest_exit_code": code, "failed": failed, "passed": passed,
+                     "clean": code == 0 and passed > 0 and not failed})
+        print(f"seed set {seed}: {sets[-1]['passed']} passed, {len(sets[-1]['failed'])} failed", flush=True)
+    return {"seed_sets": sets, "false_alarms": sum(len(s["failed"]) for s in sets),
+            "checks": sum(s["passed"] + len(s["failed"]) for s in sets)}
 
 
 def _moved(chosen: list) -> dict[str, str | None]:
