@@ -70,8 +70,9 @@ def step(ctx: lifecycle.Context) -> int:
 
     # The control covers exactly the checks that score the chosen mutants.
     scope = " or ".join(f"({expr})" for expr in dict.fromkeys(m.checks for m in chosen))
-    record["control"] = control = _control(manifest, settings, configs, out, [*args.pytest_args, "-k", scope],
-                                           args.seed_sets)
+    control: dict[str, Any] = {"seed_sets": [], "false_alarms": 0, "checks": 0}   # filled as each set ends
+    record["control"] = control
+    _control(control, manifest, settings, configs, out, [*args.pytest_args, "-k", scope], args.seed_sets)
     broken = [s for s in control["seed_sets"] if not s["clean"]]
     if broken:
         record["error"] = "the control run did not pass, so no kill would mean anything: " + "; ".join(
@@ -108,16 +109,17 @@ def step(ctx: lifecycle.Context) -> int:
     return exitcodes.FAILURE if any(m["survived"] for m in results) else exitcodes.OK
 
 
-def _control(manifest, settings: Settings, configs: list, out, pytest_args: list[str],
-             seed_sets: int) -> dict[str, Any]:
-    """The control run without a mutant, once per seed set; the first set is the manifest's
-    (the one the mutants run on, in out/control). A set is clean when every check passed; a
-    check that failed there is a false alarm."""
+def _control(control: dict[str, Any], manifest, settings: Settings, configs: list, out, pytest_args: list[str],
+             seed_sets: int) -> None:
+    """The control run without a mutant, once per seed set, into `control` as each set ends (a
+    stopped study keeps the sets it finished); the first set is the manifest's (the one the
+    mutants run on, in out/control). A set is clean when every check passed; a check that
+    failed there is a false alarm."""
     sampling = settings.sampling
     variants = [(None, settings)] if sampling is None else [
         (seed, replace(settings, sampling=replace(sampling, seed_base=seed)))
         for seed in range(sampling.seed_base, sampling.seed_base + seed_sets * SEED_STRIDE, SEED_STRIDE)]
-    sets: list[dict[str, Any]] = []
+    sets = control["seed_sets"]
     for k, (seed, seeded) in enumerate(variants):
         print(f"== {SESSION}: control run (no mutant), seed set {k + 1}/{len(variants)} (seed_base {seed}) ==",
               flush=True)
@@ -126,9 +128,9 @@ def _control(manifest, settings: Settings, configs: list, out, pytest_args: list
         passed, failed = sum(r["outcome"] == "passed" for r in rows), _failed(rows)
         sets.append({"seed_base": seed, "pytest_exit_code": code, "failed": failed, "passed": passed,
                      "clean": code == 0 and passed > 0 and not failed})
-        print(f"seed set {seed}: {sets[-1]['passed']} passed, {len(sets[-1]['failed'])} failed", flush=True)
-    return {"seed_sets": sets, "false_alarms": sum(len(s["failed"]) for s in sets),
-            "checks": sum(s["passed"] + len(s["failed"]) for s in sets)}
+        control["false_alarms"] += len(failed)
+        control["checks"] += passed + len(failed)
+        print(f"seed set {seed}: {passed} passed, {len(failed)} failed", flush=True)
 
 
 def _moved(chosen: list) -> dict[str, str | None]:
