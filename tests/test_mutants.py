@@ -459,6 +459,23 @@ def test_summary_entries_pass_a_killed_mutant_and_fail_a_survivor():
     assert "mutants" in VALIDATOR.schema["properties"]["session"]["enum"]
 
 
+def test_a_control_seed_set_with_a_false_alarm_is_a_failed_entry_naming_the_check():
+    clean = {"seed_base": 2000, "pytest_exit_code": 0, "failed": [], "passed": 12, "clean": True, "time_s": 300.0}
+    alarm = {**clean, "seed_base": 3000, "pytest_exit_code": 1, "passed": 11, "clean": False,
+             "failed": ["tests/e2e/test_sampling.py::test_sampling_distribution[eagle3-v1/greedy]"]}
+    crashed = {**clean, "seed_base": 4000, "pytest_exit_code": 3, "passed": 0, "clean": False}
+    entries = [session._control_entry(s) for s in (clean, alarm, crashed)]
+    assert [(e["nodeid"], e["outcome"]) for e in entries] == [("control:seed_base=2000", "passed"),
+                                                            ("control:seed_base=3000", "failed"),
+                                                            ("control:seed_base=4000", "failed")]
+    assert entries[0]["reason"] == "12 checks passed"
+    assert entries[1]["reason"] == "false alarm(s): test_sampling_distribution[eagle3-v1/greedy]"
+    assert entries[2]["reason"] == "pytest exit 3 with no check failed"
+    schema = {**VALIDATOR.schema["$defs"]["test"], "$defs": VALIDATOR.schema["$defs"]}
+    for entry in entries:
+        assert not list(VALIDATOR.evolve(schema=schema).iter_errors(entry))
+
+
 def test_a_mutant_whose_patched_function_moved_says_so_and_is_never_a_kill():
     gone = catalogue.Mutant("gone", "what", "why", lambda: None, ("json:dumps", "json.decoder:NoSuchDecoder.decode"))
     assert catalogue.moved(gone) == ("json.decoder:NoSuchDecoder.decode is not in this vLLM (AttributeError: module "

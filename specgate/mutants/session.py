@@ -80,6 +80,7 @@ def step(ctx: lifecycle.Context) -> int:
             for s in broken)
         return exitcodes.FAILURE
     if args.control_only:
+        record["tests"] = [_control_entry(s) for s in control["seed_sets"]]
         return exitcodes.OK
 
     moved = _moved(chosen)
@@ -123,14 +124,27 @@ def _control(control: dict[str, Any], manifest, settings: Settings, configs: lis
     for k, (seed, seeded) in enumerate(variants):
         print(f"== {SESSION}: control run (no mutant), seed set {k + 1}/{len(variants)} (seed_base {seed}) ==",
               flush=True)
+        started = time.monotonic()
         code, rows, *_ = run_tests(manifest, SESSION, plan_dict(MODE, seeded, configs, (1, 0)),
                                    out / ("control" if k == 0 else f"control-{seed}"), pytest_args)
         passed, failed = sum(r["outcome"] == "passed" for r in rows), _failed(rows)
         sets.append({"seed_base": seed, "pytest_exit_code": code, "failed": failed, "passed": passed,
-                     "clean": code == 0 and passed > 0 and not failed})
+                     "clean": code == 0 and passed > 0 and not failed,
+                     "time_s": round(time.monotonic() - started, 1)})
         control["false_alarms"] += len(failed)
         control["checks"] += passed + len(failed)
         print(f"seed set {seed}: {passed} passed, {len(failed)} failed", flush=True)
+
+
+def _control_entry(seed_set: dict[str, Any]) -> dict[str, Any]:
+    """A seed set of a --control-only run as a summary test entry: failed on a false alarm."""
+    failed = seed_set["failed"]
+    reason = (f"false alarm(s): {', '.join(n.split('::')[-1] for n in failed)}" if failed
+              else f"{seed_set['passed']} checks passed" if seed_set["clean"]
+              else f"pytest exit {seed_set['pytest_exit_code']} with no check failed")
+    clean = seed_set["clean"]
+    return {"nodeid": f"control:seed_base={seed_set['seed_base']}", "outcome": "passed" if clean else "failed",
+            "cause": None if clean else "failure", "reason": reason, "time_s": seed_set["time_s"]}
 
 
 def _moved(chosen: list) -> dict[str, str | None]:
