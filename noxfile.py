@@ -78,6 +78,12 @@ def gate(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, default=False)
+def cache(session: nox.Session) -> None:
+    """List the harness's caches, or prune them to the manifest's bounds (-- prune)."""
+    run_module(session, "specgate.caches")
+
+
+@nox.session(python=PYTHON, default=False)
 def bench(session: nox.Session) -> None:
     """Measure harness overhead, cache no-op, env setup and compile-cache speedups."""
     run_module(session, "specgate.bench")

@@ -98,6 +98,14 @@ class GateSpec:
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """[cache]: what `nox -s cache -- prune` keeps (specgate.cachestore)."""
+
+    max_age_days: float      # entries last used longer ago are removed
+    budget_gib: float        # then the least recently used, until the rest fits
+
+
+@dataclass(frozen=True)
 class DriftSpec:
     """[e2e] drift keys: how far a cpu_e2e run may fall behind its recent clean runs (specgate.drift)."""
 
@@ -118,6 +126,7 @@ class Manifest:
     e2e_settings: dict[str, Any]
     online_env: dict[str, str]
     gate: GateSpec
+    cache: CacheSpec
     drift: DriftSpec | None      # None when the manifest has no [e2e] table (no cpu_e2e to compare)
 
     def managed_env_names(self) -> set[str]:
@@ -329,6 +338,18 @@ def _gate(root: _Reader, sessions: dict[str, SessionSpec]) -> GateSpec:
     )
 
 
+def _cache(root: _Reader) -> CacheSpec:
+    cache = root.table("cache")
+
+    def positive(key: str) -> float:
+        value = cache.get(key, (int, float), "a number > 0")
+        if isinstance(value, bool) or value <= 0:
+            raise cache.fail(key, "a number > 0", value)
+        return float(value)
+
+    return CacheSpec(max_age_days=positive("max_age_days"), budget_gib=positive("budget_gib"))
+
+
 def _drift(root: _Reader) -> DriftSpec | None:
     if "e2e" not in root.data:
         return None
@@ -376,5 +397,6 @@ def load(path: Path | str | None = None) -> Manifest:
         e2e_settings=e2e_settings,
         online_env=_env(root.table("online").table("env")),
         gate=_gate(root, sessions),
+        cache=_cache(root),
         drift=_drift(root),
     )
