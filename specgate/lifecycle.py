@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgate import artifacts, build, cli, envpin, exitcodes, processes, summary
+from specgate import artifacts, build, cachestore, cli, envpin, exitcodes, processes, summary
 from specgate.manifest import Manifest
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -76,7 +76,8 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
         ctx = Context(session, manifest, args, record)
         if hasattr(args, "num_shards"):
             ctx.set_shard(args.num_shards, args.shard_id)
-        code = step(ctx)
+        with cachestore.lease(*cachestore.build_venv(record["vllm"])):    # never pruned while it runs
+            code = step(ctx)
     except (cli.BadInput, Abort) as exc:
         print(f"error: {exc}", flush=True)
         code, error = getattr(exc, "exit_code", exitcodes.BAD_INPUT), str(exc)

@@ -31,6 +31,7 @@ from junitparser import JUnitXml
 
 from specgate import (
     artifacts,
+    cachestore,
     classify,
     cli,
     envpin,
@@ -372,7 +373,8 @@ def step(ctx: lifecycle.Context) -> int:
         if args.exitfirst and any(r.exit_code != 0 for r in runs):
             print(f"-x: a failure stopped the session; not run: {group.name} attempt {attempt}", flush=True)
             return None
-        runs.append(run_group(group, attempt, root=root, base_env=base_env, args=common, out=out))
+        with cachestore.lease(root):       # the upstream tree is never pruned while its tests run
+            runs.append(run_group(group, attempt, root=root, base_env=base_env, args=common, out=out))
         return runs[-1]
 
     first: list[Outcome] = []

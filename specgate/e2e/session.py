@@ -19,7 +19,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from specgate import artifacts, cli, e2e_history, envpin, exitcodes, history, lifecycle, pytestrun, upstream
+from specgate import (
+    artifacts,
+    cachestore,
+    cli,
+    compilecache,
+    e2e_history,
+    envpin,
+    exitcodes,
+    history,
+    lifecycle,
+    pytestrun,
+    upstream,
+)
 from specgate.e2e import SESSION
 from specgate.e2e.planning import (
     PLAN_VAR,
@@ -67,8 +79,6 @@ def run_tests(manifest: Manifest, session: str, plan: dict[str, Any], out: Path,
               extra_env: dict[str, str] | None = None) -> TestRun:
     """Write the plan into `out`, run tests/e2e on it under pytest (the session's pinned
     environment plus extra_env), and merge JUnit with what the tests recorded."""
-    from specgate import compilecache
-
     plan_path, records, junit = out / "plan.json", out / "records.jsonl", out / "junit.xml"
     artifacts.write_json(plan_path, plan)
     for stale in (records, junit):
@@ -79,11 +89,24 @@ def run_tests(manifest: Manifest, session: str, plan: dict[str, Any], out: Path,
     engine_env = Settings(**plan["settings"]).child_env()
     print("compile caches: " + ", ".join(f"{k}={env[k]}" for k in sorted(compilecache.compile_cache_env()))
           + "; engine processes add " + ", ".join(f"{k}={v}" for k, v in engine_env.items()), flush=True)
-    code, wall_s = pytestrun.run_pytest_timed(["-m", "e2e", "-rA", "-p", "no:cacheprovider", TESTS_DIR,
-                                               *pytest_args], junit, cwd=REPO_ROOT, env=env, log=out / "pytest.log")
+    with cachestore.lease(compilecache.entry(), *_fixture_paths(plan)):     # never pruned while they run
+        code, wall_s = pytestrun.run_pytest_timed(["-m", "e2e", "-rA", "-p", "no:cacheprovider", TESTS_DIR,
+                                                   *pytest_args], junit, cwd=REPO_ROOT, env=env,
+                                                  log=out / "pytest.log")
     recorded = Recorder(records).read()
     rows = merge_results(pytestrun.read_junit(junit) if junit.is_file() else [], recorded)
     return TestRun(code, rows, engine_rows(recorded), env, round(wall_s, 2))
+
+
+def _fixture_paths(plan: Any) -> list[Path]:
+    """Every fixture checkpoint folder the plan names (its models' `path` under the fixture cache)."""
+    root = str(cachestore.roots()["fixtures"])
+    if isinstance(plan, dict):
+        own = [Path(plan["path"])] if isinstance(plan.get("path"), str) and plan["path"].startswith(root) else []
+        return own + [p for value in plan.values() for p in _fixture_paths(value)]
+    if isinstance(plan, list):
+        return [p for value in plan for p in _fixture_paths(value)]
+    return []
 
 
 def step(ctx: lifecycle.Context) -> int:
