@@ -24,6 +24,10 @@ from specgate import build, envpin
 # The one check whose verification steps reject drafts (wrong at position 1 by design), so a
 # rejection that emits the draft instead of the target's token changes the known answer.
 SELECTED = "test_known_answer and eagle3"
+# The repaired build's distribution check at a sixth of the manifest's draws: power 0.999
+# against a shift of total variation 0.15, not 0.05 (the check asserts the power it states).
+SMALL_SAMPLES = {"tv_shift = 0.05": "tv_shift = 0.15", "max_tokens = 440 ": "max_tokens = 100 ",
+                 "truncated_max_tokens = 680": "truncated_max_tokens = 100"}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +40,13 @@ def checkout(tmp_path_factory) -> Path:
     return agent_checkout(tmp_path_factory.mktemp("pr") / "specgate")
 
 
-def gate_e2e(checkout: Path, vllm: str, home: Path) -> tuple[subprocess.CompletedProcess, dict]:
+def gate_e2e(checkout: Path, vllm: str, home: Path, selected: str = SELECTED,
+             env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     """The gate's e2e step on the build `--vllm vllm` names, as a job runs it (the agent
     machine's environment)."""
-    env = {**Agent._machine_env(home / "bin"), "HF_HOME": str(home / "hf")}
+    env = {**Agent._machine_env(home / "bin"), "HF_HOME": str(home / "hf"), **(env or {})}
     proc = subprocess.run(["python3", "scripts/noxw.py", "-s", "cpu_e2e", "--", "--vllm", vllm,
-                           "-k", SELECTED], cwd=checkout, env=env, capture_output=True, text=True, timeout=1500)
+                           "-k", selected], cwd=checkout, env=env, capture_output=True, text=True, timeout=1500)
     summary = assert_valid(json.loads((checkout / "artifacts" / "cpu_e2e" / "summary.json").read_text()))
     return proc, summary
 
@@ -56,6 +61,39 @@ def test_the_same_wheel_repacked_without_a_change_passes(pinned_wheel, checkout,
     assert data["vllm"]["location"].startswith(str(checkout / ".nox" / f"vllm-{data['vllm']['id']}"))
     assert data["counts"]["passed"] >= 1 and data["counts"]["failed"] == 0
     assert f"testing vLLM 0.32.0 ({unchanged.name}, id {data['vllm']['id']})" in proc.stdout
+
+
+def test_the_repaired_build_passes_the_sampling_checks_undeclared_and_its_release_xfail_fails(
+        pinned_wheel, checkout, tmp_path):
+    """The pinned wheel with #55006's change (tests/wheels.py): with vLLM #55005's declaration
+    removed from the manifest, the sampling distribution check passes on the build as built (no
+    runtime repair); under the real manifest, which still declares the defect for 0.32.0, its
+    release run XPASSes and the strict xfail turns that into a red step, naming the issue.
+    The first run samples less (SMALL_SAMPLES) to keep CI short; docs/sampling.md has the run
+    at the manifest's sizes."""
+    repaired = wheels.repack(pinned_wheel, tmp_path / "repaired", edit=wheels.REPAIRED_55005,
+                             note="vLLM #55006: _expand_kernel_impl expands into the caller's tensor")
+    text = (checkout / "manifest.toml").read_text()
+    for old, new in SMALL_SAMPLES.items():
+        assert text.count(old) == 1, f"test drifted from manifest.toml: {old!r}"
+        text = text.replace(old, new)
+    start = text.index("[e2e.sampling.known_defect]")
+    undeclared = tmp_path / "manifest.toml"
+    undeclared.write_text(text[:start] + text[text.index("[[e2e.configs]]", start):])
+
+    proc, data = gate_e2e(checkout, str(repaired), tmp_path, "test_sampling_distribution and eagle3-v1/greedy",
+                          {"SPECGATE_MANIFEST": str(undeclared)})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    [check] = [t for t in data["tests"] if t["outcome"] == "passed"]
+    assert check["nodeid"].endswith("test_sampling_distribution[eagle3-v1/greedy]")
+    engine = check["sampling"]["distribution"]["engine"]
+    assert "eagle3" in engine and "repair=" not in engine, engine
+
+    proc, data = gate_e2e(checkout, str(repaired), tmp_path, "test_sampling_release and eagle3-v1/greedy")
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    [release] = data["tests"]
+    assert release["nodeid"].endswith("test_sampling_release[eagle3-v1/greedy]") and release["outcome"] == "failed"
+    assert "XPASS(strict)" in proc.stdout and "issues/55005" in proc.stdout, proc.stdout[-4000:]
 
 
 def tree_digest(root: Path) -> dict[str, str]:
