@@ -49,6 +49,7 @@ SPEC_COUNTERS = {
     "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+TIMED_OUT = "engine process timed out"    # how a test that lost its engine to engine_timeout_s says so
 # vLLM's words when it falls back (vllm/config/vllm.py, VllmConfig.use_v2_model_runner).
 V2_NEEDS_TRITON = "Model Runner V2 requires Triton; using the V1 model runner instead"
 
@@ -454,7 +455,7 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
         except subprocess.TimeoutExpired:
             processes.end_process_tree(proc.pid)
             proc.wait()
-            why = f"engine process timed out ({timeout_s:.0f} s per engine) and was killed"
+            why = f"{TIMED_OUT} ({timeout_s:.0f} s per engine) and was killed"
         answer = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"results": {}}
         if "v2_blocker" in answer:
             v2_known, v2_blocker = True, answer["v2_blocker"]

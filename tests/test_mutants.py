@@ -476,6 +476,32 @@ def test_a_control_seed_set_with_a_false_alarm_is_a_failed_entry_naming_the_chec
         assert not list(VALIDATOR.evolve(schema=schema).iter_errors(entry))
 
 
+TIMEOUT_REASON = ("specgate.engine.EngineProcessError: EngineProcessError: engine process timed out (600 s per "
+                  "engine) and was killed")   # what cpu_e2e's rows say when the host kills a slow engine
+
+
+def test_a_check_that_lost_its_engine_to_the_timeout_is_neither_a_kill_nor_a_false_alarm():
+    """Measured here: two sessions beside a third on 2 cores slowed an eagle3 engine past 600 s,
+    and every check on it 'failed'. Load is no kill, and no false alarm either."""
+    from specgate import engine
+
+    assert engine.TIMED_OUT in TIMEOUT_REASON
+    rows = [{"nodeid": "t::test_sampling_distribution[eagle3-v1/greedy]", "outcome": "failed",
+             "reason": TIMEOUT_REASON},
+            {"nodeid": "t::test_sampling_distribution[eagle3-v1/probabilistic]", "outcome": "failed",
+             "reason": "AssertionError: eagle3-v1/probabilistic: chi-square 80.2 on 3 df, p = 2.7e-17 < 1e-06"},
+            {"nodeid": "t::test_sampling_acceptance[eagle3-v1/greedy]", "outcome": "passed", "reason": None}]
+    assert session._failed(rows) == ["t::test_sampling_distribution[eagle3-v1/probabilistic]"]
+    assert session._lost(rows) == ["t::test_sampling_distribution[eagle3-v1/greedy]"]
+    lost_only = {"name": "m", "killed_by": [], "timed_out": [rows[0]["nodeid"]], "survived": True, "fired": 12,
+                 "time_s": 700.0}
+    entry = session._entry(lost_only)
+    assert entry["outcome"] == "failed" and entry["reason"].startswith("not scored: 1 check(s) lost their engine")
+    seed_set = {"seed_base": 2000, "pytest_exit_code": 1, "failed": [], "timed_out": [rows[0]["nodeid"]],
+                "passed": 6, "clean": False, "time_s": 900.0}
+    assert session._control_entry(seed_set)["reason"] == "not judged: 1 check(s) lost their engine to the timeout"
+
+
 def test_a_mutant_whose_patched_function_moved_says_so_and_is_never_a_kill():
     gone = catalogue.Mutant("gone", "what", "why", lambda: None, ("json:dumps", "json.decoder:NoSuchDecoder.decode"))
     assert catalogue.moved(gone) == ("json.decoder:NoSuchDecoder.decode is not in this vLLM (AttributeError: module "

@@ -30,6 +30,7 @@ from typing import Any
 from specgate import artifacts, cli, exitcodes, lifecycle
 from specgate.e2e.planning import Settings, missing_models, plan_dict, resolve_config
 from specgate.e2e.session import run_tests
+from specgate.engine import TIMED_OUT
 from specgate.manifest import ManifestError
 from specgate.mutants import MUTANT_VAR, SESSION
 from specgate.mutants.catalogue import CATALOGUE, MUTANTS
@@ -49,8 +50,18 @@ def build_parser():
     return p
 
 
+def _timed_out(row: dict[str, Any]) -> bool:
+    """A check that lost its engine to the per-engine timeout: an overloaded machine can do that
+    as well as a fault, so it is neither a kill nor a false alarm."""
+    return TIMED_OUT in (row.get("reason") or "")
+
+
 def _failed(rows: list[dict[str, Any]]) -> list[str]:
-    return [r["nodeid"] for r in rows if r["outcome"] in ("failed", "error")]
+    return [r["nodeid"] for r in rows if r["outcome"] in ("failed", "error") and not _timed_out(r)]
+
+
+def _lost(rows: list[dict[str, Any]]) -> list[str]:
+    return [r["nodeid"] for r in rows if r["outcome"] in ("failed", "error") and _timed_out(r)]
 
 
 def step(ctx: lifecycle.Context) -> int:
@@ -99,10 +110,12 @@ def step(ctx: lifecycle.Context) -> int:
         fired = sum(e.get("mutant_fired") or 0 for e in engines)
         killed_by = _failed(rows) if fired else []
         record["mutants"].append({"name": mutant.name, "what": mutant.what, "why_real": mutant.why_real,
-                                  "killed_by": killed_by, "survived": not killed_by, "fired": fired, "moved": None,
-                                  "pytest_exit_code": code, "time_s": round(time.monotonic() - started, 1)})
+                                  "killed_by": killed_by, "timed_out": _lost(rows), "survived": not killed_by,
+                                  "fired": fired, "moved": None, "pytest_exit_code": code,
+                                  "time_s": round(time.monotonic() - started, 1)})
+        lost = f" ({len(_lost(rows))} check(s) lost their engine to the timeout: not kills)" if _lost(rows) else ""
         print(f"{mutant.name}: fired {fired} times; " + (f"killed by {len(killed_by)} check(s)" if killed_by
-                                                          else "SURVIVED"), flush=True)
+                                                          else "SURVIVED") + lost, flush=True)
     results = record["mutants"]
     record["kill_rate"] = round(sum(not m["survived"] for m in results) / len(results), 4) if results else None
     record["tests"] = [_entry(m) for m in results]
@@ -127,20 +140,22 @@ def _control(control: dict[str, Any], manifest, settings: Settings, configs: lis
         started = time.monotonic()
         code, rows, *_ = run_tests(manifest, SESSION, plan_dict(MODE, seeded, configs, (1, 0)),
                                    out / ("control" if k == 0 else f"control-{seed}"), pytest_args)
-        passed, failed = sum(r["outcome"] == "passed" for r in rows), _failed(rows)
-        sets.append({"seed_base": seed, "pytest_exit_code": code, "failed": failed, "passed": passed,
-                     "clean": code == 0 and passed > 0 and not failed,
+        passed, failed, lost = sum(r["outcome"] == "passed" for r in rows), _failed(rows), _lost(rows)
+        sets.append({"seed_base": seed, "pytest_exit_code": code, "failed": failed, "timed_out": lost,
+                     "passed": passed, "clean": code == 0 and passed > 0 and not failed,
                      "time_s": round(time.monotonic() - started, 1)})
         control["false_alarms"] += len(failed)
         control["checks"] += passed + len(failed)
-        print(f"seed set {seed}: {passed} passed, {len(failed)} failed", flush=True)
+        print(f"seed set {seed}: {passed} passed, {len(failed)} failed"
+              + (f", {len(lost)} lost their engine to the timeout (not judged)" if lost else ""), flush=True)
 
 
 def _control_entry(seed_set: dict[str, Any]) -> dict[str, Any]:
     """A seed set of a --control-only run as a summary test entry: failed on a false alarm."""
-    failed = seed_set["failed"]
+    failed, lost = seed_set["failed"], seed_set.get("timed_out") or []
     reason = (f"false alarm(s): {', '.join(n.split('::')[-1] for n in failed)}" if failed
               else f"{seed_set['passed']} checks passed" if seed_set["clean"]
+              else f"not judged: {len(lost)} check(s) lost their engine to the timeout" if lost
               else f"pytest exit {seed_set['pytest_exit_code']} with no check failed")
     clean = seed_set["clean"]
     return {"nodeid": f"control:seed_base={seed_set['seed_base']}", "outcome": "passed" if clean else "failed",
@@ -164,6 +179,9 @@ def _entry(m: dict[str, Any]) -> dict[str, Any]:
         reason = f"killed by {len(m['killed_by'])} check(s): " + ", ".join(n.split("::")[-1] for n in m["killed_by"])
     elif not m["fired"]:
         reason = "survived: the patch never fired, so the mutant was not exercised"
+    elif m.get("timed_out"):
+        reason = (f"not scored: {len(m['timed_out'])} check(s) lost their engine to the timeout and no other "
+                  "check failed; rerun it on a machine with room")
     else:
         reason = "survived: every check passed with the fault in place"
     return {"nodeid": f"mutant:{m['name']}", "outcome": "failed" if m["survived"] else "passed",
