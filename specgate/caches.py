@@ -40,6 +40,8 @@ def _row(entry: cachestore.Entry, now: float, busy: bool) -> dict[str, Any]:
 def step(ctx: lifecycle.Context) -> int:
     ctx.expects_tests = False
     args, spec = ctx.args, ctx.manifest.cache
+    if spec is None:
+        raise cli.BadInput(f"{ctx.manifest.path.name} has no [cache] table (max_age_days, budget_gib)")
     max_age = spec.max_age_days if args.max_age_days is None else args.max_age_days
     budget = spec.budget_gib if args.budget_gib is None else args.budget_gib
     if max_age < 0 or budget < 0:

@@ -126,7 +126,7 @@ class Manifest:
     e2e_settings: dict[str, Any]
     online_env: dict[str, str]
     gate: GateSpec
-    cache: CacheSpec
+    cache: CacheSpec | None      # None without a [cache] table (nox -s cache then refuses to run)
     drift: DriftSpec | None      # None when the manifest has no [e2e] table (no cpu_e2e to compare)
 
     def managed_env_names(self) -> set[str]:
@@ -338,7 +338,9 @@ def _gate(root: _Reader, sessions: dict[str, SessionSpec]) -> GateSpec:
     )
 
 
-def _cache(root: _Reader) -> CacheSpec:
+def _cache(root: _Reader) -> CacheSpec | None:
+    if "cache" not in root.data:
+        return None
     cache = root.table("cache")
 
     def positive(key: str) -> float:
