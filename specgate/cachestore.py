@@ -126,10 +126,14 @@ def lease(*paths: Path) -> Iterator[None]:
         yield
 
 
+def _writer(entry: Entry):
+    """The writer side of the entry's lease, without waiting (Timeout while a session holds it)."""
+    return ReadWriteLock(str(_side(entry.path, LEASE)), timeout=0, blocking=False, is_singleton=False).write_lock()
+
+
 def in_use(entry: Entry) -> bool:
     try:
-        with ReadWriteLock(str(_side(entry.path, LEASE)), timeout=0, blocking=False,
-                           is_singleton=False).write_lock():
+        with _writer(entry):
             return False
     except Timeout:
         return True
@@ -138,9 +142,7 @@ def in_use(entry: Entry) -> bool:
 def remove(entry: Entry) -> bool:
     """Remove the entry unless it is leased or being built (then False)."""
     try:
-        with ReadWriteLock(str(_side(entry.path, LEASE)), timeout=0, blocking=False,
-                           is_singleton=False).write_lock(), \
-                FileLock(str(_build_lock(entry.path)), timeout=0):
+        with _writer(entry), FileLock(str(_build_lock(entry.path)), timeout=0):
             aside = entry.path.with_name(f"{TRASH}{entry.path.name}-{uuid.uuid4().hex[:8]}")
             os.rename(entry.path, aside)
             _side(entry.path, USED).unlink(missing_ok=True)
