@@ -166,6 +166,35 @@ def test_known_answer_runs_drop_the_hub_targets_engine_workaround():
     assert runs.runs_for("v1_matches_baseline", config)[1].engine == (("enable_prefix_caching", False),)
 
 
+def test_text_sampling_runs_the_configs_own_checkpoints_and_its_baseline_keeps_the_requests():
+    """test_sampling_spec_vs_target_text: the hub target with its engine extras, text prompts
+    cycled, one seed per request; the baseline samples the same requests without speculation."""
+    settings = planning.Settings.parse(m.load())
+    hub = _model("Qwen/Qwen3.5-0.8B", source="hub", revision="1cfa9a7208912126459214e8b04321603b3df60c")
+    config = planning.Config("mtp-v1", "mtp", "v1", 3, {"hub": 1.5}, hub, None, {},
+                             {"enable_prefix_caching": False}, None, None, {})
+    spec = runs.text_sampling_run(config, "vllm-55005")
+    base = spec.baseline()
+    assert (spec.requests, base.requests, spec.repair, base.repair) == (runs.TEXT, runs.TEXT, "vllm-55005", None)
+    assert spec.engine == base.engine == (("enable_prefix_caching", False),) and base.method == "none"
+    requests = runs.sampling_requests(spec, settings)
+    s = settings.sampling
+    assert len(requests) == s.text_requests and {r.role for r in requests} == {"sampled"}
+    assert [r.prompt for r in requests[:len(settings.prompts)]] == list(settings.prompts)
+    assert [r.params["seed"] for r in requests] == [s.seed_base + i for i in range(s.text_requests)]
+    assert {r.params["max_tokens"] for r in requests} == {s.text_max_tokens}
+    assert all(r.params["temperature"] == s.temperature and "logprobs" not in r.params for r in requests)
+    assert runs.sampling_requests(base, settings) == requests
+
+
+def test_text_sampling_covers_every_v1_method_but_the_declared_crash():
+    configs = m.load().e2e
+    by_id = {c.id: c for c in configs}
+    chosen = runs.select(configs, "text_sampling")
+    assert {by_id[i].method for i in chosen} == {"ngram", "eagle3", "dflash", "mtp"}
+    assert "mtp-v1-prefix-caching" not in chosen and all(by_id[i].runner == "v1" for i in chosen)
+
+
 def test_prompts_follow_the_target():
     settings = planning.Settings.parse(m.load())
     known = runs.Run(_model("s", answer_rule="previous-plus-two"), None, "none", 0)

@@ -406,6 +406,66 @@ def test_two_sample_passes_two_correct_runs_and_fails_a_temperature_change():
     assert not test["passed"] and test["df"] == K, test
 
 
+def target_alone(sampler: Sampler, prompt, max_tokens: int, rng) -> list[int]:
+    seq, tokens = list(prompt), []
+    for _ in range(max_tokens):
+        tokens.append(sampler.draw(seq, rng))
+        seq.append(tokens[-1])
+    return tokens
+
+
+def continuations_alone(seed: int, requests: int = 256, length: int = 4) -> list[tuple]:
+    return [(tuple(PROMPTS[i % len(PROMPTS)]),
+             *target_alone(CORRECT, PROMPTS[i % len(PROMPTS)], length, np.random.default_rng([seed, 10**6 + i])))
+            for i in range(requests)]
+
+
+def continuations(requests: list[Request], length: int = 4) -> list[tuple]:
+    return [(tuple(r.prompt), *r.tokens[:length]) for r in requests]
+
+
+def test_two_sample_of_continuations_has_no_false_alarm_and_sees_a_gross_fault():
+    """The two-sample check on whole continuations (the manifest's 256 requests of 4 tokens),
+    the target alone against speculation: no false alarm over 30 seeds; always accepting
+    drafts (a constant uniform of 0) fails. On this design's spread (222 classes, most of them
+    rare) its power is tiny and says so: it is the hub checkpoints' check, whose continuations
+    are far less spread."""
+    for seed in SEEDS:
+        test = sampling.two_sample_continuations(continuations_alone(seed), continuations(batch(CORRECT, seed, 256, 4)),
+                                                 ALPHA, TV)
+        assert test["passed"], (seed, test)
+        assert test["cells"] >= 3 and test["df"] == test["cells"] - 1 and test["n"] == [256, 256]
+        assert sum(test["rare"]) + sum(a + b for _, a, b in test["top"]) <= 512
+        assert test["power"] < 0.01
+    always_accept = Sampler(CORRECT.probs, fixed_u=0.0)
+    test = sampling.two_sample_continuations(continuations_alone(0), continuations(batch(always_accept, 0, 256, 4)),
+                                             ALPHA, TV)
+    assert not test["passed"] and test["p_value"] < 1e-20
+
+
+def test_two_sample_of_continuations_pools_by_the_pooled_count_alone():
+    """A class seen often enough in the two samples together keeps its own cell even if only
+    one sample has it (that is the difference to see); classes seen too seldom join `rare`."""
+    a = ["x"] * 40 + ["y"] * 40 + [f"a{i}" for i in range(20)]
+    b = ["x"] * 40 + ["z"] * 40 + [f"b{i}" for i in range(20)]
+    test = sampling.two_sample_continuations(a, b, ALPHA, TV)
+    assert test["classes"] == 43 and test["cells"] == 4 and test["rare"] == [20, 20]
+    assert not test["passed"]
+    same = sampling.two_sample_continuations(a, list(a), ALPHA, TV)
+    assert same["passed"] and same["p_value"] == pytest.approx(1.0) and same["statistic"] == 0
+
+
+def test_least_favourable_beyond_the_exact_limit_is_a_lower_bound():
+    """Past MAX_EXACT cells the noncentrality is 4 tv^2, at most the exact minimum (so the
+    power computed from it never overstates)."""
+    p = np.random.default_rng(3).dirichlet(np.ones(sampling.MAX_EXACT + 1))
+    exact = min(TV * TV * (1 / g + 1 / (1 - g))
+                for mask in range(1, 2 ** len(p) - 1)
+                if 1 - (g := float(p[[i for i in range(len(p)) if mask >> i & 1]].sum())) >= TV)
+    assert sampling.least_favourable(list(p), TV) == pytest.approx(4 * TV * TV)
+    assert exact >= 4 * TV * TV
+
+
 def test_acceptance_is_exact_where_off_support_drafts_are_likely():
     """A design whose off-support tokens are not negligible (logits 2 .. 0.5 against 12 zeros,
     T = 1): successor drafts often land off the support, where a draft's acceptance probability

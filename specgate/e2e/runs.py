@@ -44,7 +44,8 @@ class Run:
     def baseline(self) -> Run:
         """The same target and requests with no speculation (engine keys that speculation needs
         stay; a repair does not: without drafts no rejection sampler runs)."""
-        return Run(self.target, None, "none", 0, (), self.engine, self.requests and SAMPLED)
+        requests = self.requests if self.requests == TEXT else self.requests and SAMPLED
+        return Run(self.target, None, "none", 0, (), self.engine, requests)
 
 
 def spec_run(config: Config) -> Run:
@@ -62,6 +63,13 @@ def known_answer_run(config: Config) -> Run:
 SAMPLED, RELEASED = "sampled", "released"
 TOP_P_ONLY = "sampled-top-p"   # SAMPLED with top-p in place of top-k (a declared top-k defect)
 TOP_K = "top-k"                # the sampled and top-k requests alone: the declared defect's reproduction
+TEXT = "text"                  # sampled requests on the config's own checkpoints and text prompts
+
+
+def text_sampling_run(config: Config, repair: str | None) -> Run:
+    """The config's own target and draft (hub checkpoints where cached) sampling text prompts."""
+    return Run(config.target, config.draft, config.method, config.k, tuple(sorted(config.speculative.items())),
+               tuple(sorted(config.engine.items())), requests=TEXT, repair=repair)
 
 
 def sampling_run(config: Config, draft_sample_method: str, repair: str | None, requests: str = SAMPLED) -> Run:
@@ -77,7 +85,7 @@ def sampling_run(config: Config, draft_sample_method: str, repair: str | None, r
 
 @dataclass(frozen=True)
 class Request:
-    prompt: list[int]
+    prompt: list[int] | str
     role: str                      # greedy | sampled | top_k | top_p
     params: dict[str, Any]         # vLLM SamplingParams
 
@@ -85,12 +93,16 @@ class Request:
 def sampling_requests(run: Run, settings: Settings) -> list[Request]:
     """The requests of a sampling engine: greedy ones first (so they share a batch with
     sampled ones), then the sampled, then the truncated; the release's own run (RELEASED)
-    has only the sampled ones, shorter."""
+    has only the sampled ones, shorter; TEXT has short sampled ones on the text prompts."""
     s = settings.sampling
     assert s is not None
     prompts = s.prompts
     common = {"ignore_eos": True, "logprobs": settings.num_logprobs, "temperature": s.temperature}
     out: list[Request] = []
+    if run.requests == TEXT:
+        return [Request(settings.prompts[i % len(settings.prompts)], "sampled",
+                        {"ignore_eos": True, "temperature": s.temperature, "seed": s.seed_base + i,
+                         "max_tokens": s.text_max_tokens}) for i in range(s.text_requests)]
     if run.requests == RELEASED:
         return [Request(prompts[i % len(prompts)], "sampled",
                         {**common, "seed": s.seed_base + i, "max_tokens": s.released_max_tokens})
@@ -226,6 +238,7 @@ SELECTORS = {
     "per_position": lambda c: bool(_known(c).get("exact_drafts")) and c.method in DRAFT_MODEL_METHODS,
     "one_token_prompt": lambda c: bool(_known(c).get("exact_drafts")) and c.method in ("eagle3", "mtp"),
     "known_defect": lambda c: "known_defect" in c.raw,
+    "text_sampling": lambda c: c.runner == "v1" and "known_defect" not in c.raw,
 }
 
 

@@ -20,6 +20,7 @@ is chosen so that this is >= the manifest's power). Stdlib at import: scipy load
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,12 +93,19 @@ def histogram(values: Sequence[int | str], k: int) -> tuple[list[int], int]:
     return [sum(v == j for v in values) for j in range(k)], sum(v == OFF_SUPPORT for v in values)
 
 
+MAX_EXACT = 16      # cells up to which least_favourable tries every split
+
+
 def least_favourable(probs: Sequence[float], tv: float) -> float:
     """min over distributions q at total variation `tv` from p of sum (q - p)^2 / p: the
     chi-square noncentrality per sample of the hardest shift of that size to see. For a
     fixed split of the support into gaining and losing sets A and B the minimum moves the
-    mass in proportion to p within each: tv^2 (1 / P(A) + 1 / P(B))."""
+    mass in proportion to p within each: tv^2 (1 / P(A) + 1 / P(B)). Beyond MAX_EXACT cells
+    the splits are too many to try, and 4 tv^2 (P(A) = 1/2, the least any split gives) is
+    used: a power computed from it understates the true one, never overstates it."""
     support = [p for p in probs if p > 0]
+    if len(support) > MAX_EXACT:
+        return 4 * tv * tv
     best = math.inf
     for mask in range(1, 2 ** len(support) - 1):
         gain = sum(p for i, p in enumerate(support) if mask >> i & 1)
@@ -153,24 +161,52 @@ def goodness_of_fit(values: Sequence[int | str], design: Design, alpha: float, t
 
 
 def two_sample(a: Sequence[int | str], b: Sequence[int | str], k: int, alpha: float, tv: float) -> dict[str, Any]:
-    """Chi-square test of homogeneity of two offset samples (no analytic answer needed). Its
-    power at a shift tv uses the effective sample size n_a n_b / (n_a + n_b) and the pooled
-    distribution."""
+    """Chi-square test of homogeneity of two offset samples (no analytic answer needed)."""
+    (ca, oa), (cb, ob) = histogram(a, k), histogram(b, k)
+    return {"n": [len(a), len(b)], "counts": [[*ca, oa], [*cb, ob]],
+            **_homogeneity([*ca, oa], [*cb, ob], len(a), len(b), alpha, tv)}
+
+
+RARE = "rare"        # the continuations too seldom seen to have a cell of their own, together
+MIN_EXPECTED = 5     # the fewest expected per sample that a cell of its own needs (chi-square's rule)
+
+
+def two_sample_continuations(a: Sequence[Any], b: Sequence[Any], alpha: float, tv: float) -> dict[str, Any]:
+    """Chi-square test of homogeneity of two samples of whole continuations, one per request
+    (any hashable class: the prompt and the tokens it got). Needs no oracle, so it runs on hub
+    checkpoints: the tokens within a continuation depend on each other, the requests do not.
+    A class whose pooled count gives fewer than MIN_EXPECTED expected in the smaller sample
+    joins RARE; that choice looks only at the pooled counts, blind to which sample a
+    continuation came from, so under equal distributions the false-alarm bound holds."""
+    counts_a, counts_b = Counter(a), Counter(b)
+    share = min(len(a), len(b)) / max(len(a) + len(b), 1)
+    pooled = counts_a + counts_b
+    kept = sorted((c for c, n in pooled.items() if n * share >= MIN_EXPECTED), key=lambda c: -pooled[c])
+    rare = set(pooled) - set(kept)
+    row_a = [counts_a[c] for c in kept] + [sum(counts_a[c] for c in rare)]
+    row_b = [counts_b[c] for c in kept] + [sum(counts_b[c] for c in rare)]
+    return {"n": [len(a), len(b)], "classes": len(pooled), "cells": len(kept) + bool(rare),
+            "top": [[repr(c), counts_a[c], counts_b[c]] for c in kept[:8]], RARE: [row_a[-1], row_b[-1]],
+            **_homogeneity(row_a, row_b, len(a), len(b), alpha, tv)}
+
+
+def _homogeneity(row_a: Sequence[int], row_b: Sequence[int], na: int, nb: int, alpha: float,
+                 tv: float) -> dict[str, Any]:
+    """Pearson's chi-square on the 2 x C table of two samples' cell counts (empty cells left
+    out). Its power at a shift tv uses the effective sample size na nb / (na + nb) and the
+    pooled distribution. Fewer than two filled cells: nothing to compare, p = 1, power 0."""
     from scipy import stats
 
-    (ca, oa), (cb, ob) = histogram(a, k), histogram(b, k)
-    columns = [(x, y) for x, y in zip([*ca, oa], [*cb, ob], strict=True) if x + y]
+    columns = [(x, y) for x, y in zip(row_a, row_b, strict=True) if x + y]
     if len(columns) < 2:
         statistic, p_value, df = 0.0, 1.0, 0
     else:
         result = stats.chi2_contingency([[x for x, _ in columns], [y for _, y in columns]], correction=False)
         statistic, p_value, df = float(result.statistic), float(result.pvalue), int(result.dof)
-    na, nb = len(a), len(b)
     pooled = [(x + y) / (na + nb) for x, y in columns]
     effective = na * nb / (na + nb) if na and nb else 0
-    return {"n": [na, nb], "counts": [[*ca, oa], [*cb, ob]], "statistic": round(statistic, 3), "df": df,
-            "p_value": p_value, "alpha": alpha, "power": round(power(pooled, effective, alpha, tv), 6),
-            "tv_shift": tv, "passed": p_value >= alpha}
+    return {"statistic": round(statistic, 3), "df": df, "p_value": p_value, "alpha": alpha,
+            "power": round(power(pooled, effective, alpha, tv), 6), "tv_shift": tv, "passed": p_value >= alpha}
 
 
 @dataclass

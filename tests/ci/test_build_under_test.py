@@ -5,21 +5,25 @@ wheel repacked without the change passes `nox -s cpu_e2e -- --vllm WHEEL`; and `
 tests a vLLM installed beforehand without changing a byte of it.
 
 Both are real wheels installed into their own venvs (keyed by the wheel's sha256) and real
-engines on the known-answer fixtures; the summaries must name the build they tested.
+engines on the known-answer fixtures; the summaries must name the build they tested. And the
+checkpoints a job finds in its HF cache are what it tests: the no-oracle two-sample check runs
+on them.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import wheels
 from agent import VLLM_PIPELINE, Agent, agent_checkout
 from contract import assert_valid
+from hubserver import HubServer, Repo, hf_env
 
-from specgate import build, envpin
+from specgate import build, envpin, fixtures, manifest
 
 # The one check whose verification steps reject drafts (wrong at position 1 by design), so a
 # rejection that emits the draft instead of the target's token changes the known answer.
@@ -155,3 +159,37 @@ def test_a_vllm_build_with_a_broken_wheel_is_red_and_its_annotation_names_the_bu
     assert "test_known_answer[eagle3-v1]" in note["body"]
     assert (e2e.uploaded / "specgate" / "artifacts" / "cpu_e2e" / "acceptance.svg").is_file()
     assert '<img src="artifact://specgate/artifacts/cpu_e2e/acceptance.svg"' in note["body"]
+
+
+def test_the_text_two_sample_check_runs_on_the_hub_checkpoints_a_job_has_cached(checkout, tmp_path):
+    """eagle3-v1's pinned checkpoints in the job's HF cache, downloaded by real huggingface_hub
+    from a local hub at their pinned revisions (the spread target and the successor drafter
+    stand in under those repo ids): in auto mode eagle3-v1 resolves to them, and
+    test_sampling_spec_vs_target_text samples them, with drafts, and passes; the configs
+    without cached checkpoints skip it, naming their stand-ins."""
+    pinned = manifest.load(checkout / "manifest.toml")
+    config = next(c for c in pinned.e2e if c.id == "eagle3-v1")
+    stand_ins = {config.target: "context-qwen3-spread", config.draft: "eagle3-successor"}
+    repos = []
+    for repo_id, fixture in stand_ins.items():
+        folder = fixtures.ensure(pinned, fixture)
+        files = {f.name: f.read_bytes() for f in folder.iterdir() if f.is_file() and f.name != fixtures.DIGESTS}
+        repos.append(Repo(repo_id, pinned.checkpoints[repo_id].revision, files))
+    with HubServer(repos) as hub:
+        for repo in repos:
+            code = f"from huggingface_hub import snapshot_download as d; d({repo.repo_id!r}, revision={repo.commit!r})"
+            subprocess.run([sys.executable, "-c", code], env=hf_env(hub.endpoint, tmp_path / "hf", HF_HUB_OFFLINE="0"),
+                           check=True, capture_output=True)
+    proc, data = gate_e2e(checkout, "pinned", tmp_path, "test_sampling_spec_vs_target_text")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    by_outcome = {}
+    for test in data["tests"]:
+        by_outcome.setdefault(test["outcome"], []).append(test)
+    [ran] = by_outcome["passed"]
+    assert ran["nodeid"].endswith("test_sampling_spec_vs_target_text[eagle3-v1]")
+    assert ran["model_source"] == "hub" and ran["drafted_tokens"] > 0, ran
+    check = ran["sampling"]["spec_vs_target_text"]
+    assert check["n"] == [256, 256] and check["df"] >= 1 and "repair=vllm-55005" in check["engine"], check
+    skipped = by_outcome["skipped"]
+    assert sorted(t["nodeid"].split("[")[1] for t in skipped) == ["dflash-v1]", "mtp-v1]", "ngram]"]
+    assert all("fixture stand-ins" in t["reason"] for t in skipped), skipped

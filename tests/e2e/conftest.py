@@ -84,6 +84,15 @@ class Plan:
         config_id, method = case.split("/")
         return runs.sampling_run(self.configs[config_id], method, self.repair, runs.TOP_K)
 
+    def text_sampling_runs(self, config_id: str) -> list[runs.Run]:
+        """(the target alone, speculation) on the config's own checkpoints, where both come from
+        the hub (test_sampling_spec_vs_target_text); none for fixture stand-ins."""
+        config = self.configs[config_id]
+        if config.model_source != "hub":
+            return []
+        spec = runs.text_sampling_run(config, self.repair)
+        return [spec.baseline(), spec]
+
     def sampling_baseline(self, fixture: str) -> runs.Run:
         target = next(c.sampling["target"] for c in self.configs.values()
                       if c.sampling and c.sampling["target"].name == fixture)
@@ -259,6 +268,8 @@ def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[runs.Run], 
             found = [plan.sampling_defect_run(params["sampling_case"])]
         elif test.startswith("sampling"):
             found = list(plan.sampling_runs(params["sampling_case"])[:2])
+        elif test == "text_sampling":
+            found = plan.text_sampling_runs(params["config_id"])
         else:
             found = runs.runs_for(test, plan.configs[params["config_id"]])
         needed += found
