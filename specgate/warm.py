@@ -7,6 +7,11 @@ import), one checkpoint at a time under a file lock so concurrent runs download
 each file once. Only transient errors are retried. The fixture checkpoints are
 built in the same phase so offline suites have them.
 
+A cached snapshot's bytes are checked against what the hub listed (specgate.hubcheck):
+a damaged file is removed and fetched again; where the hub cannot be reached the
+checkpoint fails with cause cache-corrupt, naming the file (no fallback to its fixture
+in auto mode: the job had that checkpoint and must say it lost it).
+
 Exit 0 when every needed checkpoint is present in the chosen mode (auto: hub or
 fixture), 75 when something required is missing and unreachable, 2 on bad input.
 """
@@ -24,7 +29,7 @@ from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
-from specgate import artifacts, cli, envpin, exitcodes, lifecycle, processes, sources
+from specgate import artifacts, cli, envpin, exitcodes, hubcheck, lifecycle, processes, sources
 from specgate.manifest import REPO_ROOT, Checkpoint, Manifest
 
 SESSION = "warm_cache"
@@ -83,13 +88,34 @@ def warm_one(manifest: Manifest, ckpt: Checkpoint, mode: str, hub: Hub) -> Row:
         source = sources.resolve(manifest, ckpt.repo_id, "fixture")
     else:
         snap = sources.snapshot(ckpt.repo_id, ckpt.revision, hub.cache)
-        source, size = (sources.hub_source(ckpt, snap), snap.size) if snap.path else hub.fetch(ckpt)
-        if source.status == "missing" and mode == "auto":
+        damaged = discard_damaged(ckpt, hub.cache)
+        source, size = (sources.hub_source(ckpt, snap), snap.size) if snap.path and not damaged else hub.fetch(ckpt)
+        if damaged and source.status == "missing":   # no fallback: the job had this checkpoint, say so
+            source = replace(source, reason=f"{hubcheck.CORRUPT}: {ckpt.repo_id}@{ckpt.revision[:12]}: {damaged} "
+                                            f"(removed, so no job reads it); {source.reason}")
+        elif source.status == "missing" and mode == "auto":
             source = sources.fixture_source(manifest, ckpt, f"{source.reason}; using fixture {ckpt.fixture}")
     if source.source == "fixture":
         assert source.path is not None  # a fixture source always names its folder
         size = _tree_size(Path(source.path))
     return Row(source, size, round(time.monotonic() - started, 2))
+
+
+def discard_damaged(ckpt: Checkpoint, cache: Path) -> str:
+    """What is wrong with the checkpoint's cached files whose bytes are not the hub's
+    (specgate.hubcheck; "" when nothing is), removed so the fetch that follows downloads them again."""
+    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+
+    try:
+        damaged = hubcheck.damaged(ckpt.repo_id, ckpt.revision, cache)
+    except CachedRepoTreeNotFoundError:
+        return ""
+    if not damaged:
+        return ""
+    what = "; ".join(f"{name}: {why}" for name, why in damaged.items())
+    print(f"{hubcheck.CORRUPT}: {ckpt.repo_id}@{ckpt.revision[:12]}: {what}; removing and fetching again", flush=True)
+    hubcheck.discard(ckpt.repo_id, ckpt.revision, damaged, cache)
+    return what
 
 
 class Hub:
@@ -260,7 +286,7 @@ def test_entry(row: Row) -> dict:
     missing = row.source.status == "missing"
     label = row.source.reason.split(":", 1)[0] if missing else None
     return {"nodeid": f"{row.source.repo_id}@{row.source.revision[:12]}", "outcome": "failed" if missing else "passed",
-            "cause": (label if label in LABELS else "cache-miss") if missing else None,
+            "cause": (label if label in (*LABELS, hubcheck.CORRUPT) else "cache-miss") if missing else None,
             "reason": row.source.reason or None, "time_s": row.seconds}
 
 
