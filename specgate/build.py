@@ -143,7 +143,11 @@ def identity(source: str, file: str | None, sha256: str, *, distribution: str, v
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
+    return hash_file(path, hashlib.sha256())
+
+
+def hash_file(path: Path, digest: Any) -> str:
+    """The hex digest of the file's bytes fed, a MiB at a time, into `digest` (a hashlib object)."""
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)

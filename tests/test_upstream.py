@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -165,7 +168,8 @@ source = ["vllm"]
 """
 
 
-def _fake_sdist(version: str) -> bytes:
+def _fake_sdist(version: str, filler: int = 0) -> bytes:
+    """A vllm sdist with tests/, .buildkite/ and pyproject.toml, and `filler` more test files."""
     top = f"vllm-{version}"
     files = {
         "pyproject.toml": PYPROJECT,
@@ -181,6 +185,7 @@ def _fake_sdist(version: str) -> bytes:
             "    assert spec is None or not pathlib.Path(spec.origin).resolve().is_relative_to(root)\n"
         ),
         ".buildkite/hardware_tests/cpu.yaml": "steps:\n- key: spec\n  commands: ['pytest tests/test_where.py']\n",
+        **{f"tests/filler/test_{i}.py": f"def test_{i}(): pass\n" * 20 for i in range(filler)},
     }
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -195,8 +200,8 @@ def _fake_sdist(version: str) -> bytes:
 class FakeIndex(LocalServer):
     """A PEP 503 simple index on 127.0.0.1 serving one vllm sdist, counting every request."""
 
-    def __init__(self, version: str, *, sha256: str | None = "real") -> None:
-        self.sdist = _fake_sdist(version)
+    def __init__(self, version: str, *, sha256: str | None = "real", filler: int = 0) -> None:
+        self.sdist = _fake_sdist(version, filler)
         self.filename = f"vllm-{version}.tar.gz"
         digest = hashlib.sha256(self.sdist).hexdigest() if sha256 == "real" else sha256
         self.fragment = f"#sha256={digest}" if digest else ""
@@ -304,6 +309,61 @@ def test_unreachable_index_is_an_environment_problem(cache, index):
     with pytest.raises(upstream.UpstreamError, match="could not fetch") as caught:
         upstream.fetch_tree("9.9.9", url)
     assert caught.value.exit_code == 75 and "\n" not in str(caught.value)
+
+
+# --------------------------------------------------------------------------- a damaged or half-made tree
+
+@pytest.mark.parametrize("damage", [
+    lambda root: (root / "tests" / "test_where.py").write_text("def test_vllm_is_not_taken_from_the_tree(): pass\n"),
+    lambda root: os.truncate(root / ".buildkite" / "hardware_tests" / "cpu.yaml", 10),
+    lambda root: (root / "tests" / "test_where.py").unlink(),
+    lambda root: (root / upstream.MARKER).write_text(json.dumps({"version": "9.9.9", "source": "sdist"})),
+], ids=["changed", "truncated", "deleted", "marker-without-digests"])
+def test_a_damaged_tree_is_fetched_again(cache, index, capsys, damage):
+    served = index()
+    root = upstream.fetch_tree("9.9.9", served.url)
+    good = upstream.file_digests(root)
+    assert upstream.damage(root) is None and len(served.requests) == 2
+    (root / "tests" / "__pycache__").mkdir()
+    (root / "tests" / "__pycache__" / "x.pyc").write_bytes(b"pytest ran here")   # not damage
+    assert upstream.damage(root) is None
+    damage(root)
+    assert upstream.damage(root) is not None
+    assert upstream.fetch_tree("9.9.9", served.url) == root
+    assert "upstream tree vllm-9.9.9: " in capsys.readouterr().out and len(served.requests) == 4
+    assert upstream.file_digests(root) == good and upstream.damage(root) is None
+
+
+def test_a_damaged_tree_with_the_index_unreachable_is_75_and_removed(cache, index):
+    served = index()
+    root = upstream.fetch_tree("9.9.9", served.url)
+    os.truncate(root / "tests" / "test_where.py", 3)
+    served.close()
+    with pytest.raises(upstream.UpstreamError, match="could not fetch") as caught:
+        upstream.fetch_tree("9.9.9", served.url)
+    assert caught.value.exit_code == 75 and "the cached tree was damaged: tests/test_where.py has 3 bytes" in str(caught.value)
+    assert sorted(p.name for p in cache.iterdir()) == ["vllm-9.9.9.lock"]    # nothing damaged left for the next job
+
+
+FETCH = "import sys; from specgate import upstream; upstream.fetch_tree('9.9.9', sys.argv[1])"
+
+
+def test_sigkill_mid_extract_leaves_no_tree_and_the_next_fetch_cleans_up(cache, index):
+    """A fetch SIGKILLed while it extracts (a big sdist: 20,000 files) leaves only its temporary
+    folder; the next fetch removes it and makes a whole tree."""
+    served = index(filler=20_000)
+    env = {**os.environ, "SPECGATE_CACHE_DIR": str(cache.parent), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", FETCH, served.url], env=env, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not any(len(list(tree.glob("tests/filler/*"))) > 100 for tree in cache.glob(".vllm-9.9.9-*/tree")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the fetch ended before it was killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (cache / "vllm-9.9.9").exists() and list(cache.glob(".vllm-9.9.9-*"))
+    root = upstream.fetch_tree("9.9.9", served.url)
+    assert upstream.damage(root) is None and len(list((root / "tests" / "filler").iterdir())) == 20_000
+    assert sorted(p.name for p in cache.iterdir()) == ["vllm-9.9.9", "vllm-9.9.9.lock"]
 
 
 # --------------------------------------------------------------------------- a checkout
