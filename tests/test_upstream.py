@@ -341,7 +341,8 @@ def test_a_damaged_tree_with_the_index_unreachable_is_75_and_removed(cache, inde
     served.close()
     with pytest.raises(upstream.UpstreamError, match="could not fetch") as caught:
         upstream.fetch_tree("9.9.9", served.url)
-    assert caught.value.exit_code == 75 and "the cached tree was damaged: tests/test_where.py has 3 bytes" in str(caught.value)
+    assert caught.value.exit_code == 75
+    assert "the cached tree was damaged: tests/test_where.py has 3 bytes" in str(caught.value)
     assert sorted(p.name for p in cache.iterdir()) == ["vllm-9.9.9.lock"]    # nothing damaged left for the next job
 
 
