@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -35,6 +36,14 @@ def write_atomic(path: Path, text: str, *, scrub: bool = True) -> None:
         raise
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT, also where a library wraps it (safetensors' SafetensorError says it in words)."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL or "No space left on device" in str(exc)
+
+
 def write_json(path: Path, data: Any) -> None:
     """Secrets are scrubbed from the data's strings, so masking never breaks the JSON."""
     clean = redact_data(json.loads(json.dumps(data, default=str)))
@@ -56,7 +65,12 @@ def scrub_file(path: Path) -> bool:
         return False
     if redact(text) == text:
         return False
-    write_atomic(path, text)
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        path.unlink()       # no room for the masked copy: a secret must not stay behind
     return True
 
 

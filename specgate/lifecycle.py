@@ -90,6 +90,9 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
     except Exception as exc:  # a bug in the harness or an unexpected environment: say so, never pass
         traceback.print_exc()
         status, code, error = "crashed", exitcodes.FAILURE, f"{type(exc).__name__}: {exc}"
+        if artifacts.disk_full(exc):   # the machine's, not vLLM's: a rerun elsewhere (or after a prune) helps
+            where = getattr(exc, "filename", None) or "a write"
+            code, error = exitcodes.INCOMPLETE, f"env-blocked: disk full (No space left on device) at {where}"
         processes.end_tree()
     finally:
         for sig, handler in previous.items():

@@ -200,8 +200,23 @@ def finish(record: dict[str, Any], code: int, *, status: str = "finished", error
 
 
 def write(record: dict[str, Any]) -> Path:
+    """Write the record atomically. On a full disk the older summary is removed (which may free
+    the room) and the write tried once more; failing that there is no summary, never a stale
+    or half-written one, and the session says so."""
     target = path(record["session"])
-    artifacts.write_json(target, record)
+    try:
+        artifacts.write_json(target, record)
+    except OSError as exc:
+        if not artifacts.disk_full(exc):
+            raise
+        target.unlink(missing_ok=True)
+        try:
+            artifacts.write_json(target, record)
+        except OSError as again:
+            if not artifacts.disk_full(again):
+                raise
+            print(f"{record['session']}: env-blocked: disk full (No space left on device): no room for {target}; "
+                  "the older summary was removed", flush=True)
     return target
 
 
