@@ -8,7 +8,8 @@ pinned nox, from the repo root, the way .ci/run runs them:
                  median of --runs each, interleaved A B A B ...
   warm_noop      warm_cache_noop_s: fixture-mode `nox -s warm_cache` once everything is
                  present (nothing to fetch or build); interleaved with the same under -R
-                 (what the install-stamp check costs) and in auto mode (hub look-ups)
+                 (what the install-stamp check costs), in auto mode (hub look-ups), and
+                 fixtures_full_verify_s: every fixture file hashed, as warm_cache does
   env_setup      env_setup_uv_s, env_setup_pip_s: a fresh venv with the vLLM CPU constraints,
                  in a temp folder, each installer with its own cache as found (--skip-pip)
   e2e_cache      e2e_cold_s, e2e_warm_s, e2e_warm_cold_ratio: fixture-mode cpu_e2e with an
@@ -390,10 +391,12 @@ def warm_noop(runner: Runner, runs: int) -> list[Figure]:
         reason = f"warm_cache could not make everything present first: {fill.problem}"
         return [Figure.missing("warm_cache_noop_s", "s", reason)]
     fixture = ["-s", "warm_cache", "--", "--model-source", "fixture"]
+    verify = [str(REPO_ROOT / ".nox" / "warm_cache" / "bin" / "python"), "-c", FULL_VERIFY]
     samples = interleaved(runs, {
         "noop": lambda i: runner.run(f"warm-noop-{i + 1}", nox(*fixture), env=shell_env()),
         "noop -R": lambda i: runner.run(f"warm-noop-R-{i + 1}", nox("-R", *fixture), env=shell_env()),
         "auto": lambda i: runner.run(f"warm-auto-{i + 1}", nox("-s", "warm_cache"), env=shell_env()),
+        "verify": lambda i: runner.run(f"fixtures-verify-{i + 1}", verify, env=shell_env()),
     })
     checkpoints = (summary or {}).get("checkpoints") or []
     cached = sum(c.get("source") == "hub" for c in checkpoints)
@@ -401,7 +404,16 @@ def warm_noop(runner: Runner, runs: int) -> list[Figure]:
                  "are looked up on the hub on every run before their fixtures stand in")
     return [timed_figure("warm_cache_noop_s", samples["noop"], command="nox " + shlex.join(fixture)),
             timed_figure("warm_cache_noop_R_s", samples["noop -R"], command="nox -R " + shlex.join(fixture)),
-            timed_figure("warm_cache_auto_s", samples["auto"], command="nox -s warm_cache", note=auto_note)]
+            timed_figure("warm_cache_auto_s", samples["auto"], command="nox -s warm_cache", note=auto_note),
+            timed_figure("fixtures_full_verify_s", samples["verify"], command=shlex.join(verify[:2]) + " FULL_VERIFY",
+                         note="every fixture's files against their sha256, as warm_cache checks them (the "
+                              "interpreter's start and imports included)")]
+
+
+# What warm_cache does to the fixtures first: every file of every fixture hashed (specgate.fixtures.damage).
+FULL_VERIFY = ("from specgate import fixtures; from specgate.manifest import load; "
+               "m = load(); bad = [n for n in m.fixtures if fixtures.damage(fixtures.fixture_dir(m, n), full=True)]; "
+               "raise SystemExit(f'damaged: {bad}' if bad else 0)")
 
 
 def env_setup(runner: Runner, manifest: Manifest, skip_pip: bool) -> list[Figure]:
