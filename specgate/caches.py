@@ -34,7 +34,7 @@ def build_parser() -> cli.Parser:
 def _row(entry: cachestore.Entry, now: float, busy: bool) -> dict[str, Any]:
     return {"kind": entry.kind, "path": str(entry.path), "size_bytes": entry.size,
             "age_days": round((now - entry.modified) / 86400, 2), "last_used_days": round(entry.age_days(now), 2),
-            "in_use": busy, "belongs_to": entry.belongs_to}
+            "in_use": busy, "belongs_to": entry.belongs_to, "build": entry.build()}
 
 
 def step(ctx: lifecycle.Context) -> int:
@@ -74,9 +74,9 @@ def step(ctx: lifecycle.Context) -> int:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    return artifacts.format_rows(["kind", "entry", "MiB", "made (days)", "last used (days)", "in use"], [
+    return artifacts.format_rows(["kind", "entry", "MiB", "made (days)", "last used (days)", "in use", "build"], [
         [r["kind"], r["belongs_to"], f"{r['size_bytes'] / (1 << 20):.1f}", r["age_days"], r["last_used_days"],
-         "yes" if r["in_use"] else ""] for r in rows])
+         "yes" if r["in_use"] else "", r["build"] or ""] for r in rows])
 
 
 if __name__ == "__main__":

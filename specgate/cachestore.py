@@ -15,6 +15,7 @@ removed; it is moved aside first (one rename), then deleted, so no reader sees h
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 from filelock import FileLock, ReadWriteLock, Timeout
 
 from specgate import compilecache
+from specgate.build import describe as describe_build
 from specgate.paths import cache_root
 
 ENVDIR_VAR = "SPECGATE_ENVDIR"
@@ -45,8 +47,24 @@ class Entry:
 
     @property
     def belongs_to(self) -> str:
-        """What the entry is for, from its name: a fixture, a vLLM release or checkout, a build."""
+        """The entry's name: a fixture and its hash, a vLLM release or checkout, a build's id."""
         return self.path.name
+
+    def build(self) -> str | None:
+        """Which vLLM build or version the entry serves, from what it recorded about itself
+        (None: it records none, or the record is unreadable)."""
+        try:
+            if self.kind == "venvs":
+                return describe_build(json.loads((self.path / "specgate-build.json").read_text())["build"])
+            if self.kind == "compile":
+                factors = json.loads((self.path / "factors.json").read_text())
+                return f"{factors['vllm']} (build {factors.get('vllm_build', '?')}), {factors['torch']}"
+            if self.kind == "upstream":
+                marker = json.loads((self.path / ".specgate-upstream.json").read_text())
+                return f"vllm=={marker['version']} tests" if "version" in marker else f"checkout {marker.get('path')}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return None       # a fixture serves every build
 
     def age_days(self, now: float) -> float:
         return (now - self.last_used) / 86400

