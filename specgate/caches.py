@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from specgate import artifacts, cachestore, cli, exitcodes, lifecycle
+from specgate.manifest import CacheSpec
 
 SESSION = "cache"
 GIB = 1 << 30
@@ -63,14 +64,26 @@ def step(ctx: lifecycle.Context) -> int:
         record["removed"] = [str(e.path) for e in chosen]
         print(f"prune would remove {len(chosen)}: " + (", ".join(e.path.name for e in chosen) or "nothing"))
         return exitcodes.OK
-    pruned = cachestore.prune(found, max_age_days=max_age, budget_bytes=int(budget * GIB), now=now)
-    record["removed"] = [str(e.path) for e in pruned.removed]
-    record["busy"] = [str(e.path) for e in pruned.busy]
-    freed = sum(e.size for e in pruned.removed)
-    print(f"removed {len(pruned.removed)} ({freed / GIB:.2f} GiB)"
-          + (f"; in use, left alone: {', '.join(e.path.name for e in pruned.busy)}" if pruned.busy else ""),
-          flush=True)
+    record.update(prune(found, max_age, budget, now))
     return exitcodes.OK
+
+
+def prune(found: list[cachestore.Entry], max_age_days: float, budget_gib: float, now: float) -> dict[str, Any]:
+    """Prune `found` to the bounds, say what went in one line, and return it for the summary."""
+    pruned = cachestore.prune(found, max_age_days=max_age_days, budget_bytes=int(budget_gib * GIB), now=now)
+    freed = sum(e.size for e in pruned.removed)
+    print(f"cache: removed {len(pruned.removed)} ({freed / GIB:.2f} GiB) to last use within {max_age_days:g} days "
+          f"and {budget_gib:g} GiB" + (f"; in use, left alone: {', '.join(e.path.name for e in pruned.busy)}"
+                                       if pruned.busy else ""), flush=True)
+    return {"removed": [str(e.path) for e in pruned.removed], "busy": [str(e.path) for e in pruned.busy]}
+
+
+def prune_at_job_start(spec: CacheSpec) -> dict[str, Any]:
+    """warm_cache's first act, so the pipelines need no step of their own: what this build's
+    jobs will use was last used by the build before, so it is the last to go, and what a
+    running job holds (or this session's own build venv, leased) is never removed. The venvs'
+    sizes are their recorded ones, so this costs a walk of the small caches only."""
+    return prune(cachestore.entries(), spec.max_age_days, spec.budget_gib, time.time())
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

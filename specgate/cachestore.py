@@ -22,7 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,8 @@ from filelock import FileLock, ReadWriteLock, Timeout
 
 from specgate import compilecache
 from specgate.build import describe as describe_build
-from specgate.paths import cache_root
+from specgate.buildenv import STAMP as BUILD_STAMP
+from specgate.paths import cache_root, tree_size
 
 ENVDIR_VAR = "SPECGATE_ENVDIR"
 LEASE, USED = ".lease", ".used"      # suffixes of the files beside an entry
@@ -55,7 +56,7 @@ class Entry:
         (None: it records none, or the record is unreadable)."""
         try:
             if self.kind == "venvs":
-                return describe_build(json.loads((self.path / "specgate-build.json").read_text())["build"])
+                return describe_build(json.loads((self.path / BUILD_STAMP).read_text())["build"])
             if self.kind == "compile":
                 factors = json.loads((self.path / "factors.json").read_text())
                 return f"{factors['vllm']} (build {factors.get('vllm_build', '?')}), {factors['torch']}"
@@ -90,13 +91,13 @@ def _is_entry(kind: str, path: Path) -> bool:
     return path.name.startswith("vllm-") if kind == "venvs" else True
 
 
-def _size(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            with suppress(OSError):       # removed while we walked
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
+def _recorded_size(venv: Path) -> int:
+    """A build venv's size as its installer recorded it (a venv is not written to after its
+    install, and walking its 30,000 files takes seconds); walked where it recorded none."""
+    try:
+        return int(json.loads((venv / BUILD_STAMP).read_text())["size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return tree_size(venv)
 
 
 def entries(kinds: Iterable[str] | None = None) -> list[Entry]:
@@ -108,8 +109,8 @@ def entries(kinds: Iterable[str] | None = None) -> list[Entry]:
             if _is_entry(kind, path):
                 stamp = _side(path, USED)
                 modified = path.stat().st_mtime
-                found.append(Entry(kind, path, _size(path), modified,
-                                   stamp.stat().st_mtime if stamp.exists() else modified))
+                size = _recorded_size(path) if kind == "venvs" else tree_size(path)
+                found.append(Entry(kind, path, size, modified, stamp.stat().st_mtime if stamp.exists() else modified))
     return found
 
 

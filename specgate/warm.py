@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
-from specgate import artifacts, cli, envpin, exitcodes, hubcheck, lifecycle, processes, sources
+from specgate import artifacts, caches, cli, envpin, exitcodes, hubcheck, lifecycle, processes, sources
 from specgate.manifest import REPO_ROOT, Checkpoint, Manifest
+from specgate.paths import tree_size
 
 SESSION = "warm_cache"
 ATTEMPTS = 3                 # online attempts per checkpoint, transient errors only
@@ -59,6 +60,8 @@ def build_parser() -> cli.Parser:
 
 def step(ctx: lifecycle.Context) -> int:
     ctx.expects_tests = bool(ctx.manifest.checkpoints_for(ctx.args.suites))  # e.g. not for --suites gate
+    if ctx.manifest.cache is not None:   # the job's first session keeps the agent's caches in bounds
+        ctx.record["pruned"] = caches.prune_at_job_start(ctx.manifest.cache)
     return run(ctx.manifest, ctx.args.suites, ctx.args.model_source, ctx.record)
 
 
@@ -97,7 +100,7 @@ def warm_one(manifest: Manifest, ckpt: Checkpoint, mode: str, hub: Hub) -> Row:
             source = sources.fixture_source(manifest, ckpt, f"{source.reason}; using fixture {ckpt.fixture}")
     if source.source == "fixture":
         assert source.path is not None  # a fixture source always names its folder
-        size = _tree_size(Path(source.path))
+        size = tree_size(Path(source.path))
     return Row(source, size, round(time.monotonic() - started, 2))
 
 
@@ -240,12 +243,6 @@ def child_main() -> None:
     except Exception as exc:  # the text is classified by the parent
         print(f"{type(exc).__name__}: {exc}", flush=True)
         raise SystemExit(1) from None
-
-
-def _tree_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def human_size(n: float) -> str:

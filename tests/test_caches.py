@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -180,3 +181,30 @@ def test_cpu_e2e_leases_every_fixture_its_plan_names():
          "sampling": {"target": {"path": "/hub/snapshots/Qwen3-0.6B"}}}]}
     assert e2e_session._fixture_paths(plan) == [Path(f"{root}/context-qwen3-aaa"), Path(f"{root}/context-qwen3-aaa"),
                                                 Path(f"{root}/eagle3-bbb")]
+
+
+def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path):
+    """The job's first session keeps the agent's caches in bounds: an entry unused for 40 days
+    goes, one as old that a builder is writing stays (and is reported busy; a lease would have
+    stamped it used now). Run in this test run's own (temporary) harness cache, whose fixtures
+    are already built."""
+    from specgate.paths import cache_root
+
+    old = _entry(cache_root() / "fixtures", "old-0000000000000000", 1, last_used_days_ago=40)
+    held = _entry(cache_root() / "fixtures", "held-0000000000000000", 1, last_used_days_ago=40)
+    (tmp_path / "nox").mkdir()
+    env = {**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts"),
+           cachestore.ENVDIR_VAR: str(tmp_path / "nox")}
+    holder = _holding(BUILD, held.with_name(f".{held.name}.lock"))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "fixture", "--suites", "gate"],
+                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not old.exists() and held.is_dir()
+    data = read_valid(tmp_path / "artifacts" / "warm_cache" / "summary.json")
+    assert data["pruned"] == {"removed": [str(old)], "busy": [str(held)]}
+    assert "cache: removed 1 (0.00 GiB) to last use within 30 days and 40 GiB; in use, left alone: held-" in proc.stdout
+    shutil.rmtree(held)
