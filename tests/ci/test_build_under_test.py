@@ -162,14 +162,15 @@ def test_a_vllm_build_with_a_broken_wheel_is_red_and_its_annotation_names_the_bu
 
 
 def test_the_text_two_sample_check_runs_on_the_hub_checkpoints_a_job_has_cached(checkout, tmp_path):
-    """eagle3-v1's pinned checkpoints in the job's HF cache, downloaded by real huggingface_hub
-    from a local hub at their pinned revisions (the spread target and the successor drafter
-    stand in under those repo ids): in auto mode eagle3-v1 resolves to them, and
-    test_sampling_spec_vs_target_text samples them, with drafts, and passes; the configs
-    without cached checkpoints skip it, naming their stand-ins."""
+    """mtp-v1's pinned checkpoint in the job's HF cache, downloaded by real huggingface_hub from
+    a local hub at its pinned revision (the MiMo spread target, whose MTP layer drafts, stands
+    in under that repo id): in auto mode mtp-v1 resolves to it, and
+    test_sampling_spec_vs_target_text samples it, with drafts, and passes; the configs without
+    cached checkpoints (eagle3-v1's drafter has no pinned revision at all) skip it, naming
+    their stand-ins."""
     pinned = manifest.load(checkout / "manifest.toml")
-    config = next(c for c in pinned.e2e if c.id == "eagle3-v1")
-    stand_ins = {config.target: "context-qwen3-spread", config.draft: "eagle3-successor"}
+    config = next(c for c in pinned.e2e if c.id == "mtp-v1")
+    stand_ins = {config.target: "mimo-mtp-spread"}
     repos = []
     for repo_id, fixture in stand_ins.items():
         folder = fixtures.ensure(pinned, fixture)
@@ -186,10 +187,10 @@ def test_the_text_two_sample_check_runs_on_the_hub_checkpoints_a_job_has_cached(
     for test in data["tests"]:
         by_outcome.setdefault(test["outcome"], []).append(test)
     [ran] = by_outcome["passed"]
-    assert ran["nodeid"].endswith("test_sampling_spec_vs_target_text[eagle3-v1]")
+    assert ran["nodeid"].endswith("test_sampling_spec_vs_target_text[mtp-v1]")
     assert ran["model_source"] == "hub" and ran["drafted_tokens"] > 0, ran
     check = ran["sampling"]["spec_vs_target_text"]
     assert check["n"] == [256, 256] and check["df"] >= 1 and "repair=vllm-55005" in check["engine"], check
     skipped = by_outcome["skipped"]
-    assert sorted(t["nodeid"].split("[")[1] for t in skipped) == ["dflash-v1]", "mtp-v1]", "ngram]"]
+    assert sorted(t["nodeid"].split("[")[1] for t in skipped) == ["dflash-v1]", "eagle3-v1]", "ngram]"]
     assert all("fixture stand-ins" in t["reason"] for t in skipped), skipped
