@@ -1,6 +1,6 @@
-"""The hermetic check of every run of the harness's tests (tests/conftest.py), run on itself:
-a nested pytest run over a copy of the conftest and one probe test, against a stand-in for
-the real harness cache."""
+"""The hermetic check of every run of the harness's tests (tests/conftest.py, tests/hermetic.py),
+run on itself: a nested pytest run over copies of both and one probe test, against a stand-in
+for the real harness cache."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import HERMETIC_VAR
+from hermetic import HERMETIC_VAR
 
 PROBE = '''
 import os
@@ -38,7 +38,8 @@ def nested_run(tmp_path: Path, write: bool) -> subprocess.CompletedProcess:
     (real / "fixtures" / "tiny-x.lease").write_bytes(b"")
     suite = tmp_path / "suite"
     suite.mkdir(exist_ok=True)
-    shutil.copy(Path(__file__).with_name("conftest.py"), suite / "conftest.py")
+    for helper in ("conftest.py", "hermetic.py"):
+        shutil.copy(Path(__file__).with_name(helper), suite / helper)
     (suite / "test_probe.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k != HERMETIC_VAR}
     env.update(SPECGATE_CACHE_DIR=str(real), PROBE_REAL=str(real), PROBE_WRITE="1" if write else "")
