@@ -34,8 +34,12 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def session(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env={**os.environ, **env},
+def session(module: str, *args: str, env: dict[str, str], run_id: str = "") -> subprocess.CompletedProcess:
+    """run_id: the run this session belongs to (a fresh one if empty, never the one nox handed down)."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("SPECGATE_RUN_ID", "BUILDKITE_JOB_ID", "BUILDKITE_BUILD_ID")}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
+                          env={**inherited, **env, **({"SPECGATE_RUN_ID": run_id} if run_id else {})},
                           capture_output=True, text=True, timeout=600)
 
 
@@ -58,15 +62,15 @@ def test_a_full_artifacts_disk_keeps_the_summary_valid_and_never_stale(tmp_path)
     """The older summary fills what room there is; the new run removes it to write its own."""
     with tmpfs(tmp_path / "artifacts", "64k") as artifacts:
         env = {"SPECGATE_ARTIFACTS": str(artifacts), "SPECGATE_CACHE_DIR": str(tmp_path / "cache")}
-        assert session("specgate.caches", env=env).returncode == 0
+        assert session("specgate.caches", env=env, run_id="older-run").returncode == 0
         summary = artifacts / "cache" / "summary.json"
         old = json.loads(summary.read_text())
         filler = artifacts / "filler"
         with filler.open("wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
             while True:
                 f.write(b"\0" * 1024)
-        proc = session("specgate.caches", env=env)
+        proc = session("specgate.caches", env=env, run_id="newer-run")
         data = assert_valid(json.loads(summary.read_text()))
-        assert data["run_id"] != old["run_id"] or data["started_at"] != old["started_at"], "the older summary stayed"
+        assert (old["run_id"], data["run_id"]) == ("older-run", "newer-run"), "the older summary stayed"
         assert (proc.returncode, data["status"], data["exit_code"]) == (0, "finished", 0), proc.stdout[-3000:]
         filler.unlink()
