@@ -159,7 +159,8 @@ def in_use(entry: Entry) -> bool:
 
 
 def remove(entry: Entry) -> bool:
-    """Remove the entry unless it is leased or being built (then False)."""
+    """Remove the entry unless it is leased or being built (then False). One another job's
+    prune removed since it was listed is gone all the same (True)."""
     try:
         with _writer(entry), FileLock(str(_build_lock(entry.path)), timeout=0):
             aside = entry.path.with_name(f"{TRASH}{entry.path.name}-{uuid.uuid4().hex[:8]}")
@@ -167,6 +168,8 @@ def remove(entry: Entry) -> bool:
             _side(entry.path, USED).unlink(missing_ok=True)
     except Timeout:
         return False
+    except FileNotFoundError:
+        return True
     shutil.rmtree(aside, ignore_errors=True)
     return True
 

@@ -208,3 +208,13 @@ def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path
     assert data["pruned"] == {"removed": [str(old)], "busy": [str(held)]}
     assert "cache: removed 1 (0.00 GiB) to last use within 30 days and 40 GiB; in use, left alone: held-" in proc.stdout
     shutil.rmtree(held)
+
+
+def test_two_prunes_at_once_end_cleanly(caches):
+    """Two jobs' warm_cache prunes at once: an entry the other job removed after this one listed
+    it is gone, not an error (a crash here would end a warm_cache red for no fault of vLLM's)."""
+    old = _entry(caches["fixtures"], "old-1", 1, last_used_days_ago=40)
+    listed = cachestore.entries()
+    assert _session("prune").returncode == 0 and not old.exists()        # the other job's prune
+    pruned = cachestore.prune(listed, max_age_days=30, budget_bytes=1 << 40)
+    assert [e.path for e in pruned.removed] == [old] and pruned.busy == []
