@@ -57,7 +57,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, benchreport, cli, compilecache, envpin, exitcodes, lifecycle, summary
+from specgate import artifacts, benchreport, cli, compilecache, envpin, exitcodes, lifecycle, processes, summary
 from specgate.manifest import REPO_ROOT, Manifest
 
 SESSION = "bench"
@@ -285,8 +285,13 @@ class Runner:
             sink.write(f"+ (cd {shlex.quote(str(cwd))} && {shlex.join(map(str, command))})\n")
             sink.flush()
             started = time.perf_counter()
-            code = subprocess.run([str(c) for c in command], cwd=cwd, env=dict(env), stdout=sink,
-                                  stderr=subprocess.STDOUT).returncode
+            proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=dict(env), stdout=sink,
+                                    stderr=subprocess.STDOUT)
+            try:
+                code = proc.wait()
+            except BaseException:      # stopped: end the run's tree while it still hangs from its root
+                processes.end_process_tree(proc.pid)
+                raise
             seconds = round(time.perf_counter() - started, 2)
         shown = str(log.relative_to(self.out.parent))
         problem = None if code in ok_codes else f"{label} exited {code} (log: artifacts/{shown})"

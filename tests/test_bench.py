@@ -243,6 +243,39 @@ def test_runner_logs_output_and_flags_unexpected_codes(tmp_path):
     assert bad.exit_code == 3 and bad.problem == "bad exited 3 (log: artifacts/bench/logs/bad.log)"
 
 
+STOPPED_BENCH = """
+import os, signal, sys
+from pathlib import Path
+from specgate import bench, lifecycle
+signal.signal(signal.SIGTERM, lifecycle._raise_stopped)     # as the bench session's lifecycle does
+grandchild = "import time; print('up', flush=True); time.sleep(300)"
+try:
+    bench.Runner(Path(sys.argv[1])).run("nox", [sys.executable, "-c",
+        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"], env=dict(os.environ))
+except lifecycle.Stopped:
+    print("stopped", flush=True)
+"""
+
+
+def test_a_stopped_bench_ends_the_whole_tree_of_the_run_it_was_waiting_for(tmp_path):
+    """SIGTERM while a sample runs (a session under nox, its engines under it): nothing of that
+    run may outlive the bench, grandchildren included."""
+    import psutil
+
+    driver = subprocess.Popen([sys.executable, "-c", STOPPED_BENCH, str(tmp_path / "bench")], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parent.parent)
+    log = tmp_path / "bench" / "logs" / "nox.log"
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and "up" in log.read_text().splitlines()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tree = psutil.Process(driver.pid).children(recursive=True)
+    assert len(tree) == 2, tree                     # the run and its child
+    driver.terminate()
+    assert driver.communicate(timeout=60)[0].strip() == "stopped"
+    gone, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, f"outlived the bench: {alive}"
+
+
 def test_shell_env_drops_this_venv():
     own_bin = str(Path(sys.prefix) / "bin")
     env = bench.shell_env({"PATH": os.pathsep.join([own_bin, "/usr/bin"]), "VIRTUAL_ENV": sys.prefix,
