@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
-from specgate import artifacts, caches, cli, envpin, exitcodes, hubcheck, lifecycle, processes, sources
+from specgate import artifacts, caches, cachestore, cli, envpin, exitcodes, hubcheck, lifecycle, processes, sources
 from specgate.manifest import REPO_ROOT, Checkpoint, Manifest
 from specgate.paths import tree_size
 
@@ -59,10 +59,14 @@ def build_parser() -> cli.Parser:
 
 
 def step(ctx: lifecycle.Context) -> int:
+    from specgate import fixtures
+
     ctx.expects_tests = bool(ctx.manifest.checkpoints_for(ctx.args.suites))  # e.g. not for --suites gate
-    if ctx.manifest.cache is not None:   # the job's first session keeps the agent's caches in bounds
-        ctx.record["pruned"] = caches.prune_at_job_start(ctx.manifest.cache)
-    return run(ctx.manifest, ctx.args.suites, ctx.args.model_source, ctx.record)
+    warmed = [fixtures.fixture_dir(ctx.manifest, name) for name in ctx.manifest.fixtures]
+    with cachestore.lease(*warmed):      # in use from here: the prune must not take what this job rebuilds next
+        if ctx.manifest.cache is not None:   # the job's first session keeps the agent's caches in bounds
+            ctx.record["pruned"] = caches.prune_at_job_start(ctx.manifest.cache)
+        return run(ctx.manifest, ctx.args.suites, ctx.args.model_source, ctx.record)
 
 
 def known_suites(manifest: Manifest) -> set[str]:

@@ -218,3 +218,31 @@ def test_two_prunes_at_once_end_cleanly(caches):
     assert _session("prune").returncode == 0 and not old.exists()        # the other job's prune
     pruned = cachestore.prune(listed, max_age_days=30, budget_bytes=1 << 40)
     assert [e.path for e in pruned.removed] == [old] and pruned.busy == []
+
+
+def test_warm_cache_never_prunes_the_fixtures_it_is_about_to_warm(tmp_path):
+    """Under a budget nothing fits (1 KiB), warm_cache's prune removes every other entry but
+    leaves the manifest's own fixtures (leased first: this job warms them next), so none is
+    built again; an older version of one goes. Run on a harness cache of its own."""
+    from specgate import fixtures
+    from specgate.manifest import load
+
+    built = fixtures.ensure_all(load())                       # in this test run's temporary home
+    cache = tmp_path / "cache"
+    for path in built.values():
+        shutil.copytree(path, cache / "fixtures" / path.name, copy_function=os.link)
+    older = _entry(cache / "fixtures", "tiny-qwen3-0000000000000000", 1, last_used_days_ago=1)
+    text = (REPO_ROOT / "manifest.toml").read_text()
+    assert text.count("\nbudget_gib = 40 ") == 1, "test drifted from manifest.toml's [cache]"
+    (tmp_path / "manifest.toml").write_text(text.replace("\nbudget_gib = 40 ", "\nbudget_gib = 0.000001 "))
+    env = {**os.environ, "SPECGATE_CACHE_DIR": str(cache), "SPECGATE_MANIFEST": str(tmp_path / "manifest.toml"),
+           compilecache.ROOT_VAR: str(cache / "compile"), cachestore.ENVDIR_VAR: str(tmp_path / "nox"),
+           "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")}
+    proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "fixture", "--suites", "gate"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not older.exists()
+    for name, path in built.items():
+        kept = cache / "fixtures" / path.name
+        assert kept.is_dir(), f"{name} was pruned"
+        assert all((kept / f.name).stat().st_ino == f.stat().st_ino for f in path.iterdir()), f"{name} was rebuilt"
