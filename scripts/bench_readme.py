@@ -16,7 +16,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from specgate import artifacts, benchreport  # noqa: E402
+from specgate import benchreport  # noqa: E402
+from specgate.contract import artifacts  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

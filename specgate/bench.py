@@ -57,8 +57,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, benchreport, cli, compilecache, envpin, exitcodes, lifecycle, summary
-from specgate.manifest import REPO_ROOT, Manifest
+from specgate import benchreport, lifecycle
+from specgate.contract import artifacts, exitcodes, summary
+from specgate.core import cli, envpin
+from specgate.core.manifest import REPO_ROOT, Manifest
+from specgate.vllmside import compilecache
 
 SESSION = "bench"
 FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start", "e2e_upstream", "sampling_cost",
@@ -410,8 +413,8 @@ def warm_noop(runner: Runner, runs: int) -> list[Figure]:
                               "interpreter's start and imports included)")]
 
 
-# What warm_cache does to the fixtures first: every file of every fixture hashed (specgate.fixtures.damage).
-FULL_VERIFY = ("from specgate import fixtures; from specgate.manifest import load; "
+# What warm_cache does to the fixtures first: every file of every fixture hashed (specgate.vllmside.fixtures.damage).
+FULL_VERIFY = ("from specgate.vllmside import fixtures; from specgate.core.manifest import load; "
                "m = load(); bad = [n for n in m.fixtures if fixtures.damage(fixtures.fixture_dir(m, n), full=True)]; "
                "raise SystemExit(f'damaged: {bad}' if bad else 0)")
 
@@ -607,7 +610,8 @@ UPSTREAM_SCRIPT = ".buildkite/scripts/hardware_ci/run-cpu-test.sh"
 
 def classify_speed(runner: Runner, runs: int) -> list[Figure]:
     """Our classifier against upstream's retry grep on one 35 MB log, plus the corpus check."""
-    from specgate import classify, upstream
+    from specgate.ciside import classify
+    from specgate.vllmside import upstream
 
     names = ("classify_35mb_s", "classify_grep_35mb_s")
     try:

@@ -4,7 +4,7 @@
     nox -s cache -- prune           remove what [cache] max_age_days and budget_gib leave out
     nox -s cache -- prune --dry-run say what a prune would remove, remove nothing
 
-An entry a running session holds (its lease, specgate.cachestore) or a builder is writing is
+An entry a running session holds (its lease, specgate.vllmside.cachestore) or a builder is writing is
 never removed; it is listed as busy. summary.json holds `cache`: the entries, what was removed
 and what was busy, the total and the budget. Exit codes: 0, 2 bad input.
 """
@@ -14,8 +14,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specgate import artifacts, cachestore, cli, exitcodes, lifecycle
-from specgate.manifest import CacheSpec
+from specgate import lifecycle
+from specgate.contract import artifacts, exitcodes
+from specgate.core import cli
+from specgate.core.manifest import CacheSpec
+from specgate.vllmside import cachestore
 
 SESSION = "cache"
 GIB = 1 << 30

@@ -1,10 +1,10 @@
 """What cpu_e2e does with its history once its tests have run (one call from its step):
 
-1. stamp every test entry with its model identity (specgate.drift), so this run can be
+1. stamp every test entry with its model identity (specgate.ciside.drift), so this run can be
    history for the next ones whether or not a history is available now;
-2. read the history the options name (specgate.history: --history DIR / $SPECGATE_HISTORY,
+2. read the history the options name (specgate.ciside.history: --history DIR / $SPECGATE_HISTORY,
    or Buildkite), check drift against it, or record why it was not checked;
-3. write artifacts/cpu_e2e/acceptance.svg (specgate.charts), with the history's last runs
+3. write artifacts/cpu_e2e/acceptance.svg (specgate.ciside.charts), with the history's last runs
    when there are any.
 
 A history that cannot be read does not hide the tests' results: drift is recorded as not
@@ -18,7 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from specgate import artifacts, buildkite, charts, cli, drift, exitcodes, history, lifecycle
+from specgate import lifecycle
+from specgate.ciside import buildkite, charts, drift, history
+from specgate.contract import artifacts, exitcodes
+from specgate.core import cli
 
 SESSION = "cpu_e2e"
 CHART = "acceptance.svg"

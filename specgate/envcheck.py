@@ -13,8 +13,9 @@ import os
 
 import pytest
 
-from specgate import artifacts, envpin
-from specgate import manifest as manifest_mod
+from specgate.contract import artifacts
+from specgate.core import envpin
+from specgate.core import manifest as manifest_mod
 
 
 def pytest_configure(config: pytest.Config) -> None:

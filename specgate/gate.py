@@ -3,7 +3,7 @@
 Usage: nox -s gate -- [--history DIR | --org ORG --pipeline SLUG --branch B --builds N]
                       [--runs N] [--step cpu_unit|cpu_e2e ...]
 
-The history is read by specgate.history: a folder (--history DIR, $SPECGATE_HISTORY), or
+The history is read by specgate.ciside.history: a folder (--history DIR, $SPECGATE_HISTORY), or
 Buildkite's REST API with $BUILDKITE_API_TOKEN and the organisation and pipeline slugs (the
 branch's last [gate] history_builds finished builds); both give the same runs and so the same
 verdict. With neither it is artifacts/history, which a fresh clone does not have: that is not
@@ -11,7 +11,7 @@ enough evidence (exit 1, said in one line), whereas a --history that does not ex
 
 The rule, for each step (cpu_unit, cpu_e2e) on its own, over its N most recent runs
 (N is [gate] runs in manifest.toml, or --runs; a run and a clean run are defined in
-specgate.history: every shard finished with exit 0, none missing, tests executed, none
+specgate.ciside.history: every shard finished with exit 0, none missing, tests executed, none
 with cause failure, the coverage floor of its vLLM version kept):
 
   The step may drop soft_fail when its N most recent runs are all clean and across them
@@ -32,7 +32,7 @@ artifacts/gate/summary.json (one entry per step in `tests`, the evidence in `ste
 junit.xml, and window.svg: per step, one mark per run of the window (clean, failure, 75,
 flaky). Exit 0 when every step asked may graduate, 1 when one may not, 2 on bad input: an
 unknown option, a --history that does not exist, Buildkite's 401/403/404, or a summary that
-is not JSON or does not follow specgate/summary.schema.json (one line naming the file);
+is not JSON or does not follow specgate/contract/summary.schema.json (one line naming the file);
 75 when Buildkite cannot be reached.
 """
 
@@ -44,9 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specgate import artifacts, buildkite, charts, cli, exitcodes, history, lifecycle
-from specgate.history import FAILED, STEPS, Run
-from specgate.manifest import GateSpec
+from specgate import lifecycle
+from specgate.ciside import buildkite, charts, history
+from specgate.ciside.history import FAILED, STEPS, Run
+from specgate.contract import artifacts, exitcodes
+from specgate.core import cli
+from specgate.core.manifest import GateSpec
 
 SESSION = "gate"
 CHART = "window.svg"

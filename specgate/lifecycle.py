@@ -5,7 +5,7 @@
     -> run the session's own step
     -> finish the record in `finally`: `finished`, or `crashed` / `killed` with the
        process tree ended, so no summary is ever stale or half-written
-    -> the exit-code model (specgate.exitcodes) and one closing line.
+    -> the exit-code model (specgate.contract.exitcodes) and one closing line.
 
 A session supplies its parser and a step `(Context) -> exit code` that fills
 `ctx.record["tests"]` (one shape for every session) and its own fields.
@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specgate import artifacts, build, cachestore, cli, envpin, exitcodes, processes, summary
-from specgate.manifest import Manifest
+from specgate.contract import artifacts, exitcodes, processes, summary
+from specgate.core import build, cli, envpin
+from specgate.core.manifest import Manifest
+from specgate.vllmside import cachestore
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

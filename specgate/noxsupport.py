@@ -2,7 +2,7 @@
 environment, run one package module, and keep its exit code.
 
 nox turns every failing session into exit 1 and carries on with the next. Each
-session's own code (specgate.exitcodes) is remembered here, and when nox ends,
+session's own code (specgate.contract.exitcodes) is remembered here, and when nox ends,
 its exit status becomes the most severe of them, so `nox -t gate` runs every
 session and still ends with 75 (not 1) when the worst was an incomplete cache.
 
@@ -23,14 +23,16 @@ from typing import Any
 import nox
 from nox.command import CommandFailed
 
-from specgate import build, buildenv, envpin, exitcodes, summary, torchprobe
-from specgate.manifest import REPO_ROOT, Manifest, ManifestError, load
+from specgate.contract import exitcodes, summary
+from specgate.core import build, envpin, torchprobe
+from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError, load
+from specgate.vllmside import buildenv
 
 SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
 INSTALL_STAMP = "specgate-install.json"
 # Bumped when what an install does changes, so every stamped venv is installed again.
 INSTALL_REVISION = "2: site-packages compiled to bytecode"
-# The sessions that import vLLM, and so take `--vllm` (specgate.build).
+# The sessions that import vLLM, and so take `--vllm` (specgate.core.build).
 BUILD_SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")
 FULL_CHECK_SESSION = "warm_cache"    # a job's first session hashes vLLM's and torch's files; the others check sizes
 
@@ -102,7 +104,7 @@ def _venv_python(session: nox.Session) -> str:
 
 
 def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
-    """Make torchvision & co. importable or absent, never half-working (see specgate.torchprobe)."""
+    """Make torchvision & co. importable or absent, never half-working (see specgate.core.torchprobe)."""
     location = str(session.virtualenv.location)
     broken = torchprobe.probe(python=_venv_python(session))
     cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)

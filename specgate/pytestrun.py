@@ -12,8 +12,8 @@ from pathlib import Path
 
 from junitparser import Error, Failure, JUnitXml, Skipped
 
-from specgate import artifacts, processes
-from specgate.secrets import redact
+from specgate.contract import artifacts, processes
+from specgate.core.secrets import redact
 
 # Buildkite Test Engine's collector (package buildkite-test-collector), by its pytest11 entry point.
 TEST_ENGINE_PLUGIN = "buildkite-test-collector"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 
-from specgate import artifacts, cli, exitcodes, lifecycle, pytestrun
-from specgate.manifest import REPO_ROOT
+from specgate import lifecycle, pytestrun
+from specgate.contract import artifacts, exitcodes
+from specgate.core import cli
+from specgate.core.manifest import REPO_ROOT
 
 # Which tests each session runs (its session name comes from noxsupport, as SPECGATE_SESSION).
 TIERS = {"tests": ["--ignore=tests/ci"], "ci_jobs": ["tests/ci"]}

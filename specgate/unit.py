@@ -1,15 +1,15 @@
 """`nox -s cpu_unit`: vLLM's own spec-decode unit files, at the installed vLLM version.
 
-1. The upstream test tree of the installed version (specgate.upstream).
+1. The upstream test tree of the installed version (specgate.vllmside.upstream).
 2. The file list from upstream's CPU pipeline step, with the drift against the manifest pin.
 3. pytest over those files, offline, with a per-test timeout and JUnit XML.
-4. Every non-pass explained (specgate.classify); cache misses rerun once, online.
+4. Every non-pass explained (specgate.ciside.classify); cache misses rerun once, online.
 5. artifacts/cpu_unit/summary.json and a short table.
 
 Declared offline stand-ins ([[unit.redirects]] in the manifest) are applied through
 vLLM's own VLLM_MODEL_REDIRECT_PATH, only to the tests they name, and only when
-specgate.sources resolves the checkpoint to its fixture (not cached at its pinned
-revision, or --model-source fixture). The specgate.redirect plugin sets the variable
+specgate.vllmside.sources resolves the checkpoint to its fixture (not cached at its pinned
+revision, or --model-source fixture). The specgate.vllmside.redirect plugin sets the variable
 around those tests only, so the redirect reaches no other test.
 
 Exit codes: 0 all passed, or skipped/blocked for a reason the summary names and
@@ -29,24 +29,14 @@ from typing import Any
 
 from junitparser import JUnitXml
 
-from specgate import (
-    artifacts,
-    cachestore,
-    classify,
-    cli,
-    envpin,
-    exitcodes,
-    fixtures,
-    lifecycle,
-    pytestrun,
-    sources,
-    summary,
-    torchprobe,
-    upstream,
-)
-from specgate.manifest import Manifest, Redirect
+from specgate import lifecycle, pytestrun
+from specgate.ciside import classify
+from specgate.contract import artifacts, exitcodes, summary
+from specgate.core import cli, envpin, torchprobe
+from specgate.core.manifest import Manifest, Redirect
 from specgate.pytestrun import TestResult
-from specgate.redirect import MAP_VAR as REDIRECTS_MAP_VAR
+from specgate.vllmside import cachestore, fixtures, sources, upstream
+from specgate.vllmside.redirect import MAP_VAR as REDIRECTS_MAP_VAR
 
 SESSION = "cpu_unit"
 REDIRECT_VAR = "VLLM_MODEL_REDIRECT_PATH"
@@ -132,7 +122,7 @@ def exit_code(final: list[Outcome]) -> int:
 @dataclass
 class RedirectPlan:
     redirect: Redirect
-    source: str                 # what specgate.sources resolved: hub / fixture
+    source: str                 # what specgate.vllmside.sources resolved: hub / fixture
     status: str
     why: str
     path: str | None            # the fixture folder when applied
@@ -193,7 +183,7 @@ class Group:
 
 
 def groups_for(files: list[str], mapping: dict[str, dict[str, str]], out: Path) -> list[Group]:
-    """One pytest process; declared tests get their redirect file through specgate.redirect."""
+    """One pytest process; declared tests get their redirect file through specgate.vllmside.redirect."""
     if not mapping:
         return [Group("main", files, {REDIRECT_VAR: None})]
     files_by_mapping: dict[str, Path] = {}
@@ -237,7 +227,7 @@ def run_group(group: Group, attempt: int, *, root: Path, base_env: dict[str, str
     stem = f"attempt{attempt}-{group.name}"
     junit, log = out / f"junit-{stem}.xml", out / f"pytest-{stem}.log"
     junit.unlink(missing_ok=True)
-    plugin = ["-p", "specgate.redirect"] if group.redirect else []
+    plugin = ["-p", "specgate.vllmside.redirect"] if group.redirect else []
     env = pytestrun.child_env({**base_env, **group.env})
     code, wall = pytestrun.run_pytest_timed([*plugin, *args, *group.targets], junit, cwd=root, env=env, log=log)
     results = pytestrun.read_junit(junit) if junit.is_file() else []

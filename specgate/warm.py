@@ -7,7 +7,7 @@ import), one checkpoint at a time under a file lock so concurrent runs download
 each file once. Only transient errors are retried. The fixture checkpoints are
 built in the same phase so offline suites have them.
 
-A cached snapshot's bytes are checked against what the hub listed (specgate.hubcheck):
+A cached snapshot's bytes are checked against what the hub listed (specgate.vllmside.hubcheck):
 a damaged file is removed and fetched again; where the hub cannot be reached the
 checkpoint fails with cause cache-corrupt, naming the file (no fallback to its fixture
 in auto mode: the job had that checkpoint and must say it lost it).
@@ -29,9 +29,12 @@ from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
-from specgate import artifacts, caches, cli, envpin, exitcodes, hubcheck, lifecycle, processes, sources
-from specgate.manifest import REPO_ROOT, Checkpoint, Manifest
-from specgate.paths import tree_size
+from specgate import caches, lifecycle
+from specgate.contract import artifacts, exitcodes, processes
+from specgate.core import cli, envpin
+from specgate.core.manifest import REPO_ROOT, Checkpoint, Manifest
+from specgate.core.paths import tree_size
+from specgate.vllmside import hubcheck, sources
 
 SESSION = "warm_cache"
 ATTEMPTS = 3                 # online attempts per checkpoint, transient errors only
@@ -75,7 +78,7 @@ def run(manifest: Manifest, suites: list[str] | None, mode: str, record: dict, *
     unknown = sorted(set(suites or ()) - known_suites(manifest))
     if unknown:
         raise cli.BadInput(f"unknown suite {', '.join(unknown)} (known: {', '.join(sorted(known_suites(manifest)))})")
-    from specgate import fixtures
+    from specgate.vllmside import fixtures
 
     fixture_paths = fixtures.ensure_all(manifest, full=True)   # where full hashing belongs: once per job
     hub = Hub(sources.hub_cache(cache_dir), backoff_s, envpin.online_env(manifest))
@@ -106,7 +109,7 @@ def warm_one(manifest: Manifest, ckpt: Checkpoint, mode: str, hub: Hub) -> Row:
 
 def discard_damaged(ckpt: Checkpoint, cache: Path) -> str:
     """What is wrong with the checkpoint's cached files whose bytes are not the hub's
-    (specgate.hubcheck; "" when nothing is), removed so the fetch that follows downloads them again."""
+    (specgate.vllmside.hubcheck; "" when nothing is), removed so the fetch that follows downloads them again."""
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
     try:
@@ -168,7 +171,7 @@ class Hub:
             code, error = fetch_in_child(ckpt.repo_id, ckpt.revision, self.cache, self.online_env)
             if code == 0:
                 return ""
-            from specgate import classify
+            from specgate.ciside import classify
 
             label, reason = classify.explain(error, offline=False)  # its reason names the label
             if label == "auth":
@@ -278,7 +281,7 @@ def report(manifest: Manifest, mode: str, suites: list[str] | None, rows: list[R
 def test_entry(row: Row) -> dict:
     """A checkpoint as the summary's test entry: present passes, missing fails with the
     classifier's label (the reasons start with it) as its cause."""
-    from specgate.classify import LABELS
+    from specgate.ciside.classify import LABELS
 
     missing = row.source.status == "missing"
     label = row.source.reason.split(":", 1)[0] if missing else None

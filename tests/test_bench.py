@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specgate import bench, benchreport, summary
-from specgate.manifest import load
+from specgate import bench, benchreport
+from specgate.contract import summary
+from specgate.core.manifest import load
 
 REPO = Path(__file__).resolve().parent.parent
 

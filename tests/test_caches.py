@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from contract import read_valid
 
-from specgate import cachestore, compilecache
+from specgate.core.manifest import REPO_ROOT
 from specgate.e2e import session as e2e_session
-from specgate.manifest import REPO_ROOT
+from specgate.vllmside import cachestore, compilecache
 
 MIB = 1 << 20
 DAY = 86400
@@ -56,7 +56,7 @@ def _session(*args: str) -> subprocess.CompletedProcess:
 HOLD = """
 import sys, time
 from pathlib import Path
-from specgate import cachestore
+from specgate.vllmside import cachestore
 with cachestore.lease(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(120)
@@ -188,7 +188,7 @@ def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path
     goes, one as old that a builder is writing stays (and is reported busy; a lease would have
     stamped it used now). Run in this test run's own (temporary) harness cache, whose fixtures
     are already built."""
-    from specgate.paths import cache_root
+    from specgate.core.paths import cache_root
 
     old = _entry(cache_root() / "fixtures", "old-0000000000000000", 1, last_used_days_ago=40)
     held = _entry(cache_root() / "fixtures", "held-0000000000000000", 1, last_used_days_ago=40)

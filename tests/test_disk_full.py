@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from contract import assert_valid
 
-from specgate import classify
+from specgate.ciside import classify
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Drift (specgate.drift, specgate.e2e_history) on cpu_e2e summaries as the session writes them
+"""Drift (specgate.ciside.drift, specgate.e2e_history) on cpu_e2e summaries as the session writes them
 (tests/histories.py), and once through the cpu_e2e session's step with pytest's engine run
 replaced by the JUnit XML and records an engine run leaves behind."""
 
@@ -22,7 +22,10 @@ from histories import (
     write_history,
 )
 
-from specgate import cli, drift, exitcodes, history, lifecycle, manifest, pytestrun
+from specgate import lifecycle, pytestrun
+from specgate.ciside import drift, history
+from specgate.contract import exitcodes
+from specgate.core import cli, manifest
 from specgate.e2e import session
 from specgate.e2e.planning import Settings
 
@@ -258,6 +261,6 @@ def test_the_session_fails_a_regression_only_when_it_has_history(tmp_path, monke
 
 
 def drift_host() -> dict:
-    from specgate import summary
+    from specgate.contract import summary
 
     return summary.host()

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from contract import VALIDATOR, read_valid
 
-from specgate import engine, knownanswer, pytestrun
-from specgate import manifest as m
-from specgate import summary as contract
+from specgate import pytestrun
+from specgate.contract import summary as contract
+from specgate.core import manifest as m
 from specgate.e2e import compare, planning, report, runs
+from specgate.vllmside import engine, knownanswer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from specgate import artifacts, envpin, pytestrun
-from specgate.manifest import load
-from specgate.secrets import MASK
+from specgate import pytestrun
+from specgate.contract import artifacts
+from specgate.core import envpin
+from specgate.core.manifest import load
+from specgate.core.secrets import MASK
 
 REPO = Path(__file__).resolve().parent.parent
 SESSIONS = ["tests", "warm_cache", "cpu_unit", "cpu_e2e"]

@@ -13,7 +13,9 @@ import jsonschema
 import pytest
 from histories import NGRAM, VERSION, build, clean_history, entry, job, passing, vllm_build, write_history
 
-from specgate import gate, manifest, pytestrun, summary
+from specgate import gate, pytestrun
+from specgate.contract import summary
+from specgate.core import manifest
 
 REPO = Path(__file__).resolve().parent.parent
 GATE = manifest.load().gate
@@ -274,7 +276,7 @@ def test_other_sessions_are_ignored(tmp_path, capsys):
 
 
 def test_the_gate_reads_what_the_sessions_write(tmp_path, capsys, monkeypatch, artifacts_root):
-    """Summaries from specgate.summary itself, under Buildkite's job variables."""
+    """Summaries from specgate.contract.summary itself, under Buildkite's job variables."""
     history = tmp_path / "history"
     for number in range(1, 6):
         for shard in range(2):

@@ -15,14 +15,17 @@ import psutil
 import pytest
 from contract import read_valid
 
-from specgate import cli, exitcodes, summary
+from specgate.contract import exitcodes, summary
+from specgate.core import cli
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "hf_PLANTEDlifecycle0123456789"
 # A session module in miniature: the real lifecycle around a step chosen by argv[1].
 SESSION = '''
 import subprocess, sys, time
-from specgate import artifacts, cli, lifecycle
+from specgate.contract import artifacts
+from specgate.core import cli
+from specgate import lifecycle
 
 def step(ctx):
     what = ctx.args.what

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specgate import manifest as m
+from specgate.core import manifest as m
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_session_env_values_live_only_in_the_manifest():
     """Upstream set VLLM_CPU_KVCACHE_SPACE in two places with two values; here no Python
     file under specgate/ may carry a pinned value of its own."""
     manifest = m.load()
-    sources = "\n".join(p.read_text() for p in (REPO / "specgate").glob("*.py"))
+    sources = "\n".join(p.read_text() for p in (REPO / "specgate").rglob("*.py"))
     for name in manifest.managed_env_names():
         assert not re.search(rf"""["']{name}["']\s*[:=]\s*["']""", sources), f"{name} is assigned outside the manifest"
 

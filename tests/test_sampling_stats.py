@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from specgate import knownanswer
 from specgate.e2e import sampling
+from specgate.vllmside import knownanswer
 
 LOGITS = (24.0, 23.5, 23.0, 22.5)            # the *-spread fixtures' answer_logits
 VOCAB = 512

@@ -18,8 +18,10 @@ import pytest
 from contract import read_valid
 from hubserver import HubServer, Repo, hf_env
 
-from specgate import envpin, pytestrun, summary, unit
-from specgate.manifest import REPO_ROOT, Redirect, load
+from specgate import pytestrun, unit
+from specgate.contract import summary
+from specgate.core import envpin
+from specgate.core.manifest import REPO_ROOT, Redirect, load
 
 REPO_ID = "acme/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -17,10 +17,12 @@ import pytest
 from contract import read_valid
 from hubserver import ConnectionGuard, HubServer, Repo, closed_endpoint, hf_env, write_manifest
 
-from specgate import cli, envpin, fixtures, pytestrun, sources, warm
-from specgate.manifest import REPO_ROOT, load
-from specgate.summary import begin as begin_record
-from specgate.summary import finish as finish_record
+from specgate import pytestrun, warm
+from specgate.contract.summary import begin as begin_record
+from specgate.contract.summary import finish as finish_record
+from specgate.core import cli, envpin
+from specgate.core.manifest import REPO_ROOT, load
+from specgate.vllmside import fixtures, sources
 
 REPO_ID = "acme/tiny-model"
 OTHER_ID = "acme/unit-only"
@@ -30,7 +32,8 @@ MODEL = os.urandom(1_000_000)
 FILES = {"config.json": b'{"model_type": "qwen3"}', "tokenizer.json": b'{"v": 1}' * 100, "model.safetensors": MODEL}
 SUMMARY_KEYS = {"session", "model_mode", "suites", "checkpoints", "fixtures", "env", "exit_code", "finished_at"}
 # One warm_cache run on a given manifest and model source, in its own process.
-RUN = ("import sys; from specgate import summary, warm; from specgate.manifest import load; "
+RUN = ("import sys; from specgate import warm; from specgate.contract import summary; "
+       "from specgate.core.manifest import load; "
        "r = summary.begin('warm_cache'); c = warm.run(load(sys.argv[1]), None, sys.argv[2], r, backoff_s=0.05); "
        "summary.finish(r, c); sys.exit(c)")
 

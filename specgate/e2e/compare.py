@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specgate import knownanswer
+from specgate.vllmside import knownanswer
 
 
 def acceptance_len(drafts: int, accepted: int) -> float:
@@ -59,7 +59,7 @@ def max_logprob_gap(ref: Sequence[tuple[Sequence[int], Sequence[dict[int, float]
 
 
 def expected_outputs(rule: str, prompts: Sequence[Sequence[int]], n: int, vocab: int) -> list[list[int]]:
-    """A known-answer target's greedy output for every prompt (specgate.knownanswer)."""
+    """A known-answer target's greedy output for every prompt (specgate.vllmside.knownanswer)."""
     return [knownanswer.continuation(rule, p, n, vocab) for p in prompts]
 
 

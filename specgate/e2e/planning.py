@@ -12,7 +12,7 @@ from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from specgate.manifest import E2EConfig, Manifest, ManifestError, _Reader
+from specgate.core.manifest import E2EConfig, Manifest, ManifestError, _Reader
 
 PLAN_VAR = "SPECGATE_E2E_PLAN"
 SEED_VAR = "SPECGATE_SAMPLING_SEED"     # another seed set for the sampling requests (the control study)
@@ -157,7 +157,7 @@ class Model:
     fixture: str | None    # the fixture that stands in (or is used)
     status: str
     reason: str
-    answer_rule: str | None  # a known-answer target's specgate.knownanswer rule
+    answer_rule: str | None  # a known-answer target's specgate.vllmside.knownanswer rule
     vocab_size: int | None
     architecture: str | None
     answer_logits: list[float] | None = None   # a sampling target's logits on answer + j (specgate.e2e.sampling)
@@ -205,7 +205,7 @@ def _folder_facts(path: str | None) -> tuple[int | None, str | None]:
 
 
 def resolved_model(manifest: Manifest, repo_id: str, mode: str) -> Model:
-    from specgate import fixtures, sources
+    from specgate.vllmside import fixtures, sources
 
     src = sources.resolve(manifest, repo_id, mode)
     vocab, arch = _folder_facts(src.path)
@@ -218,7 +218,7 @@ def resolved_model(manifest: Manifest, repo_id: str, mode: str) -> Model:
 
 def fixture_model(manifest: Manifest, name: str) -> Model:
     """A fixture used directly (the known-answer pairs), in every model-source mode."""
-    from specgate import fixtures
+    from specgate.vllmside import fixtures
 
     path = str(fixtures.ensure(manifest, name))
     facts = fixtures.describe(manifest, name)

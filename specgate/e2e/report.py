@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, exitcodes, pytestrun
-from specgate import summary as contract
+from specgate import pytestrun
+from specgate.contract import artifacts, exitcodes
+from specgate.contract import summary as contract
 from specgate.e2e.runs import Run
 
 RECORDS_VAR = "SPECGATE_E2E_RECORDS"
@@ -66,9 +67,9 @@ def merge_results(results: Sequence[pytestrun.TestResult], records: Sequence[dic
 
 
 def _cause(result: pytestrun.TestResult, outcome: str) -> str | None:
-    """specgate.classify's label for a failure (failure, env-blocked, cache-miss, ...);
+    """specgate.ciside.classify's label for a failure (failure, env-blocked, cache-miss, ...);
     env-blocked or skip for a skip; known-defect for an xfail; None for a pass."""
-    from specgate import classify
+    from specgate.ciside import classify
 
     if outcome == "passed":
         return None

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from typing import Any
 
+from specgate.core.manifest import E2EConfig
 from specgate.e2e.planning import Config, Model, Settings, declared_for
-from specgate.manifest import E2EConfig
 
 DRAFT_MODEL_METHODS = ("eagle3", "dflash", "mtp")
 
@@ -24,7 +24,7 @@ class Run:
     speculative: tuple[tuple[str, Any], ...] = ()
     engine: tuple[tuple[str, Any], ...] = ()
     requests: str = ""            # "": greedy, known answer or text; else a sampling_requests kind
-    repair: str | None = None     # a specgate.enginehooks repair the engine runs with
+    repair: str | None = None     # a specgate.vllmside.enginehooks repair the engine runs with
 
     @property
     def known_answer(self) -> bool:
@@ -178,14 +178,14 @@ def known_answer_baseline_run(configs: Iterable[Config], fixture: str) -> Run:
 def process_order(runs: Iterable[Run], expected_to_fail: Set[str] = frozenset()) -> list[Run]:
     """The order engines run in: baselines, then speculation, ngram after those (an ngram
     engine loads numba, after which vLLM 0.32 CPU cannot start another engine in that
-    process: see specgate.engine), engines expected to fail at the very end; by key within."""
+    process: see specgate.vllmside.engine), engines expected to fail at the very end; by key within."""
     unique = {r.key: r for r in runs}
     return sorted(unique.values(), key=lambda r: (r.key in expected_to_fail, r.method == "ngram",
                                                   r.method != "none", r.key))
 
 
 def models(run: Run) -> list[list[str]]:
-    """[architecture, name] of the run's checkpoints, for specgate.engine.environment_block."""
+    """[architecture, name] of the run's checkpoints, for specgate.vllmside.engine.environment_block."""
     return [[m.architecture, m.name] for m in (run.target, run.draft) if m is not None and m.architecture]
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specgate import knownanswer
+from specgate.vllmside import knownanswer
 
 OFF_SUPPORT = "other"      # a token outside a + 0 .. a + len(answer_logits) - 1
 

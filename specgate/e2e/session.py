@@ -1,7 +1,7 @@
 """`nox -s cpu_e2e`: engine-level speculative-decoding tests in torch.compile mode.
 
 1. Every checkpoint of the [[e2e.configs]] in this shard is resolved under the
-   model-source mode (specgate.sources: the pinned hub snapshot, else its fixture);
+   model-source mode (specgate.vllmside.sources: the pinned hub snapshot, else its fixture);
    known-answer fixtures are built. With --model-source hub a checkpoint that is not
    cached stops the session (exit 75) before any engine starts.
 2. The plan (plan.json) tells the tests in tests/e2e what to run; pytest -m e2e runs
@@ -19,19 +19,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from specgate import (
-    artifacts,
-    cachestore,
-    cli,
-    compilecache,
-    e2e_history,
-    envpin,
-    exitcodes,
-    history,
-    lifecycle,
-    pytestrun,
-    upstream,
-)
+from specgate import e2e_history, lifecycle, pytestrun
+from specgate.ciside import history
+from specgate.contract import artifacts, exitcodes
+from specgate.core import cli, envpin
+from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError
 from specgate.e2e import SESSION
 from specgate.e2e.planning import (
     PLAN_VAR,
@@ -52,7 +44,7 @@ from specgate.e2e.report import (
     session_exit_code,
 )
 from specgate.e2e.standin import run_upstream
-from specgate.manifest import REPO_ROOT, Manifest, ManifestError
+from specgate.vllmside import cachestore, compilecache, upstream
 
 TESTS_DIR = "tests/e2e"
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from specgate import pytestrun
+from specgate.core.manifest import SPEC_METHODS, Manifest
 from specgate.e2e import SESSION
 from specgate.e2e.report import merge_results, session_exit_code
-from specgate.manifest import SPEC_METHODS, Manifest
 
 UPSTREAM_FILE = "tests/v1/e2e/test_cpu_spec_decode.py"
 
@@ -26,7 +26,7 @@ def stand_in_hub_cache(manifest: Manifest, mode: str, dest: Path) -> dict[str, s
     ModelConfig consults the redirect."""
     import shutil
 
-    from specgate import sources
+    from specgate.vllmside import sources
 
     shutil.rmtree(dest, ignore_errors=True)
     behind = {}
@@ -66,7 +66,7 @@ def run_upstream(manifest: Manifest, mode: str, env: dict[str, str], out: Path,
     """Upstream's tests/v1/e2e/test_cpu_spec_decode.py from the upstream test tree, run
     offline over the stand-in hub cache (fixtures where the checkpoints resolve to them).
     Returns the session exit code this part earns, its rows and what the summary says."""
-    from specgate import upstream
+    from specgate.vllmside import upstream
 
     try:
         root, fallback = upstream.build_tree()

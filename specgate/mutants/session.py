@@ -27,13 +27,15 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from specgate import artifacts, cli, exitcodes, lifecycle
+from specgate import lifecycle
+from specgate.contract import artifacts, exitcodes
+from specgate.core import cli
+from specgate.core.manifest import ManifestError
 from specgate.e2e.planning import Settings, missing_models, plan_dict, resolve_config
 from specgate.e2e.session import run_tests
-from specgate.engine import TIMED_OUT
-from specgate.manifest import ManifestError
 from specgate.mutants import MUTANT_VAR, SESSION
-from specgate.mutants.catalogue import CATALOGUE, MUTANTS
+from specgate.vllmside.catalogue import CATALOGUE, MUTANTS
+from specgate.vllmside.engine import TIMED_OUT
 
 MODE = "fixture"     # the offline checks this session scores; hub checkpoints are not needed
 SEED_STRIDE = 1000   # between the control's seed sets: far more than the requests one set seeds
@@ -165,7 +167,7 @@ def _control_entry(seed_set: dict[str, Any]) -> dict[str, Any]:
 def _moved(chosen: list) -> dict[str, str | None]:
     """Per mutant, why the build under test lacks what it patches (None: it has it). Asked in
     a process of its own, so this session never imports vLLM."""
-    found = subprocess.run([sys.executable, "-m", "specgate.mutants.catalogue", *(m.name for m in chosen)],
+    found = subprocess.run([sys.executable, "-m", "specgate.vllmside.catalogue", *(m.name for m in chosen)],
                            capture_output=True, text=True, check=True)
     return json.loads(found.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from contract import read_valid
 
-from specgate import compilecache
+from specgate.vllmside import compilecache
 
 REPO = Path(__file__).resolve().parents[2]
 SELECTED = "test_known_answer_baseline and context-qwen3"

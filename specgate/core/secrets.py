@@ -8,7 +8,7 @@ in any text. A name that merely contains KEY or AUTH (BUILDKITE_STEP_KEY) is nev
 a reason to touch its value.
 
 Stdlib only: the noxfile and scripts/run-cpu-test.sh use it before any venv exists
-(`python3 -m specgate.secrets` masks standard input).
+(`python3 -m specgate.core.secrets` masks standard input).
 """
 
 from __future__ import annotations

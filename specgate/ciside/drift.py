@@ -2,7 +2,7 @@
 
 A floor catches a collapse, not a slide: eagle3 at 1.85 can fall to 1.55 and stay above 1.5.
 So every passed test that measured acceptance is compared with the median of its last N
-clean runs ([e2e] drift_window; clean as specgate.history defines it) that are comparable:
+clean runs ([e2e] drift_window; clean as specgate.ciside.history defines it) that are comparable:
 
   - the same test (node id) and model identity (`model_identity`, stamped on every entry
     here: the checkpoint revisions or fixture hashes, the engine keys with the method and
@@ -34,8 +34,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from specgate import history
-from specgate.manifest import DriftSpec, GateSpec
+from specgate.ciside import history
+from specgate.core.manifest import DriftSpec, GateSpec
 
 IDENTITY = "model_identity"
 TIMES = {"init_s": "start (compile included)", "generate_s": "generate"}

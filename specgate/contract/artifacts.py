@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from specgate.manifest import REPO_ROOT
-from specgate.secrets import redact, redact_data
+from specgate.core.manifest import REPO_ROOT
+from specgate.core.secrets import redact, redact_data
 
 
 def artifacts_dir(session: str) -> Path:

@@ -2,7 +2,7 @@
 
 huggingface_hub records each snapshot's file listing (get_cached_repo_tree: sizes and git blob
 ids) and stores a file's bytes as a blob named by its etag: an LFS file's sha256, any other
-file's git blob id. specgate.sources counts a snapshot complete when every listed file has its
+file's git blob id. specgate.vllmside.sources counts a snapshot complete when every listed file has its
 listed size; this reads the bytes: an LFS blob against the sha256 its name carries, any other
 file against its listed blob id. (A cache made without symlinks holds copies with no such
 name; their sizes are all that is checked.) Hashing gigabytes on every
@@ -23,9 +23,9 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts
-from specgate.build import hash_file
-from specgate.sources import hub_cache, repo_folder
+from specgate.contract import artifacts
+from specgate.core.build import hash_file
+from specgate.vllmside.sources import hub_cache, repo_folder
 
 CORRUPT = "cache-corrupt"    # the cause of a cached file whose bytes are not the hub's
 SHA256 = re.compile(r"[0-9a-f]{64}")       # an LFS blob's name

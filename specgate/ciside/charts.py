@@ -29,8 +29,9 @@ from matplotlib.lines import Line2D
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
 
-from specgate import artifacts, drift, history
-from specgate import summary as contract
+from specgate.ciside import drift, history
+from specgate.contract import artifacts
+from specgate.contract import summary as contract
 
 WIDTH_IN = 10.4   # 748.8 pt = 998 px
 STYLE: dict[RcKeyType, Any] = {"svg.fonttype": "none", "svg.hashsalt": "specgate", "font.size": 11,

@@ -1,6 +1,6 @@
 """The mutant catalogue: speculative-decoding faults a real vLLM change could introduce, each
 installed by monkeypatching vLLM 0.32's CPU path inside the engine process (never the installed
-files). `install(name)` runs in `python -m specgate.engine` before any engine starts, and only
+files). `install(name)` runs in `python -m specgate.vllmside.engine` before any engine starts, and only
 when the session names a mutant. Every patch sits outside the torch.compile'd model graph (the
 model runner's inputs, the attention metadata, the rejection sampler, the proposers), so the
 compiled artifacts a mutant run shares with normal runs are the unpatched ones.
@@ -388,7 +388,7 @@ def _shift_draft_hidden_states() -> None:
 
 def _ngram_wrong_offset() -> None:
     # Importing vLLM's ngram_proposer here would load numba (llvmlite), after which vLLM 0.32 CPU
-    # cannot start an engine in this process (specgate.engine); so its class is patched from the
+    # cannot start an engine in this process (specgate.vllmside.engine); so its class is patched from the
     # first ngram engine's runner, which has imported it already.
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 

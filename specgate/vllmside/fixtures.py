@@ -39,9 +39,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specgate import knownanswer
-from specgate.manifest import Fixture, Manifest, ManifestError, load
-from specgate.paths import cache_root
+from specgate.core.manifest import Fixture, Manifest, ManifestError, load
+from specgate.core.paths import cache_root
+from specgate.vllmside import knownanswer
 
 VOCAB = 512
 HIDDEN = 512

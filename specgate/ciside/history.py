@@ -1,7 +1,7 @@
 """Past runs of a step, read from where their summary.json files live, and which are clean.
 
 Where: a folder (--history DIR or $SPECGATE_HISTORY), searched at any depth, or Buildkite
-(specgate.buildkite) when BUILDKITE_API_TOKEN is set with organisation and pipeline slugs
+(specgate.ciside.buildkite) when BUILDKITE_API_TOKEN is set with organisation and pipeline slugs
 (--org/--pipeline, else $BUILDKITE_ORGANIZATION_SLUG/$BUILDKITE_PIPELINE_SLUG) and a branch
 (--branch, else $BUILDKITE_BRANCH): its --builds most recent finished builds. Both end as
 summary files read the same way, so both give the same runs. Naming both is bad input.
@@ -20,7 +20,7 @@ A run is clean when
     tests passed, so a file that silently stops running fails the run. A vLLM version
     with no floor declared is not clean either: measure it and declare it first.
 
-A summary that is not JSON or does not follow specgate/summary.schema.json is bad input
+A summary that is not JSON or does not follow specgate/contract/summary.schema.json is bad input
 (one line naming the file).
 """
 
@@ -37,8 +37,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from specgate import buildkite, cli, exitcodes, summary
-from specgate.manifest import GateSpec
+from specgate.ciside import buildkite
+from specgate.contract import exitcodes, summary
+from specgate.core import cli
+from specgate.core.manifest import GateSpec
 
 STEPS = ("cpu_unit", "cpu_e2e")
 FAILED = ("failed", "error")
@@ -141,7 +143,7 @@ class Shard:
     finished_at: datetime  # started_at while the record still says running
     wall_s: float | None
     vllm_version: str | None
-    vllm_build: str       # the build's id (specgate.build); older summaries: their version
+    vllm_build: str       # the build's id (specgate.core.build); older summaries: their version
     executed: int
     tests: tuple[Test, ...]
     summary: dict[str, Any] = field(compare=False, repr=False)   # the whole record, for what else it measured

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from specgate import envpin
-from specgate.build import OPTION as BUILD_OPTION
-from specgate.build import VAR as BUILD_VAR
-from specgate.manifest import Manifest, ManifestError, load
+from specgate.core import envpin
+from specgate.core.build import OPTION as BUILD_OPTION
+from specgate.core.build import VAR as BUILD_VAR
+from specgate.core.manifest import Manifest, ManifestError, load
 
 MODEL_SOURCES = ("auto", "hub", "fixture")
 MODEL_SOURCE_VAR = "SPECGATE_MODEL_SOURCE"

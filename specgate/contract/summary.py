@@ -4,7 +4,7 @@ Every session writes it through here, at two moments: `begin` replaces any older
 summary with a `running` record (so nothing stale survives a crash), and `finish`
 writes the final one (`finished`, `crashed` or `killed`) with the exit code and
 the counts derived from the test entries. Writes are atomic and secret-scrubbed
-(specgate.artifacts).
+(specgate.contract.artifacts).
 
 Stdlib only: noxsupport begins and, if the session process died without
 finishing, finishes the record from nox's interpreter.
@@ -23,7 +23,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specgate import artifacts, build, torchprobe
+from specgate.contract import artifacts
+from specgate.core import build, torchprobe
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = Path(__file__).with_name("summary.schema.json")

@@ -6,7 +6,7 @@ or `vllm_global`, which fail with one message naming the path and the vLLM
 version when vLLM moves it. vLLM is imported lazily: the session module imports
 specgate without paying for vLLM.
 
-Engines run in an engine host (`python -m specgate.engine REQUEST RESULT`, see
+Engines run in an engine host (`python -m specgate.vllmside.engine REQUEST RESULT`, see
 `run_engines`): it imports vLLM and torch once, then forks a child that runs the engines
 one at a time, each started, used, shut down and freed before the next, the engine core
 in-process (no further spawns). A child runs several engines while that is safe and
@@ -40,7 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from specgate import enginehooks, processes
+from specgate.contract import processes
+from specgate.vllmside import enginehooks
 
 # vLLM's own counter names (vllm/v1/spec_decode/metrics.py), read through LLM.get_metrics().
 SPEC_COUNTERS = {
@@ -67,7 +68,7 @@ def vllm_version() -> str:
 def _moved(path: str, exc: BaseException) -> EngineInternalsError:
     return EngineInternalsError(
         f"vLLM {vllm_version()}: cannot read {path} ({exc}); vLLM moved this internal, "
-        "update specgate/engine.py for this version"
+        "update specgate/vllmside/engine.py for this version"
     )
 
 
@@ -293,7 +294,7 @@ def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str,
     """Start one engine, generate every prompt (token-id lists or text) with its sampling
     parameters (one dict for all, or one per prompt), read what it measured, shut it down.
     `repeat`: prompts generated a second time afterwards, in a second call (seeded
-    determinism); `record_drafts` and `repair`: specgate.enginehooks. Returns JSON-ready
+    determinism); `record_drafts` and `repair`: specgate.vllmside.enginehooks. Returns JSON-ready
     data; an exception is recorded (pickled with its traceback) instead of raised."""
     result: dict[str, Any] = {"error": None}
     llm = None
@@ -429,7 +430,7 @@ class HostAnswer(NamedTuple):
 def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
                 timeout_s: float) -> HostAnswer:
     """Run each {"key", "llm", "prompts", "sampling"} through `generate` in an engine host
-    (`python -m specgate.engine`), one engine at a time. A run may also carry "models"
+    (`python -m specgate.vllmside.engine`), one engine at a time. A run may also carry "models"
     ([architecture, name] pairs: it does not start where environment_block names one) and
     "only_v2" (it does not start when v2_runner_blocker says why not); such a run's result is
     {"error": None, "blocked": why}. A run that got no result (its engine child or the host
@@ -445,7 +446,7 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
         request_path, result_path = workdir / f"request-{attempt}.json", workdir / f"result-{attempt}.json"
         request_path.write_text(json.dumps(pending), encoding="utf-8")
         # In our process group, so a Buildkite timeout or cancel (which signals the group) reaches it.
-        proc = subprocess.Popen([sys.executable, "-m", "specgate.engine", str(request_path), str(result_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "specgate.vllmside.engine", str(request_path), str(result_path)],
                                 env=env, preexec_fn=processes.die_with_parent)
         why = None
         try:
@@ -521,7 +522,7 @@ def main(argv: list[str]) -> int:
     mutant_fired = None
     mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.mutants)
     if mutant:
-        from specgate.mutants import catalogue
+        from specgate.vllmside import catalogue
 
         catalogue.install(mutant)
         mutant_fired = catalogue.take_fired

@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from specgate.cli import MODEL_SOURCES, BadInput
-from specgate.manifest import UNPINNED, Checkpoint, Manifest
+from specgate.core.cli import MODEL_SOURCES, BadInput
+from specgate.core.manifest import UNPINNED, Checkpoint, Manifest
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def checkpoint(manifest: Manifest, repo_id: str) -> Checkpoint:
 
 
 def fixture_source(manifest: Manifest, ckpt: Checkpoint, reason: str) -> Source:
-    from specgate import fixtures
+    from specgate.vllmside import fixtures
 
     path = fixtures.ensure(manifest, ckpt.fixture)
     return Source(ckpt.repo_id, ckpt.revision, "fixture", str(path), ckpt.fixture, "fixture", reason)
