@@ -60,7 +60,7 @@ def test_format_rows_aligns_columns():
 
 
 def test_junit_for_a_session_without_pytest(tmp_path, monkeypatch):
-    from specgate import pytestrun
+    from specgate.sessions import pytestrun
 
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
     path = artifacts.write_junit("warm_cache", [("a/b@123", None, 0.5), ("c/d@456", "hub unreachable", 1.0)])

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specgate import bench, benchreport
 from specgate.contract import summary
 from specgate.core.manifest import load
+from specgate.sessions.bench import report as benchreport
+from specgate.sessions.bench import session as bench
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -278,8 +279,8 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--runs", "0"], ["--only", "nothing"], ["--", "-k", "x"]])
 def test_bad_options_exit_2_with_one_line(argv):
-    proc = subprocess.run([sys.executable, "-m", "specgate.bench", *argv], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.bench", *argv], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "-> exit 2 (bad input)" in proc.stdout.splitlines()[-1]

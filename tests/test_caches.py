@@ -16,7 +16,7 @@ import pytest
 from contract import read_valid
 
 from specgate.core.manifest import REPO_ROOT
-from specgate.e2e import session as e2e_session
+from specgate.sessions.e2e import session as e2e_session
 from specgate.vllmside import cachestore, compilecache
 
 MIB = 1 << 20
@@ -49,7 +49,7 @@ def _entry(root: Path, name: str, mib: float, last_used_days_ago: float | None =
 
 
 def _session(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specgate.caches", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specgate.sessions.caches", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300, env=os.environ.copy())
 
 
@@ -197,8 +197,8 @@ def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path
            cachestore.ENVDIR_VAR: str(tmp_path / "nox")}
     holder = _holding(BUILD, held.with_name(f".{held.name}.lock"))
     try:
-        proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "fixture", "--suites", "gate"],
-                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "specgate.sessions.warm", "--model-source", "fixture",
+                               "--suites", "gate"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
         holder.wait()

@@ -23,8 +23,8 @@ from histories import (
     write_history,
 )
 
-from specgate import gate
 from specgate.ciside import charts, history
+from specgate.sessions.gate import session as gate
 
 REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"

@@ -11,8 +11,8 @@ from buildkiteserver import Build, BuildkiteServer, Job, pipeline_of
 from histories import build, clean_history, job, write_history
 from hubserver import closed_endpoint
 
-from specgate import gate
 from specgate.ciside import buildkite
+from specgate.sessions.gate import session as gate
 
 TOKEN = "bkua_0123456789abcdef0123456789abcdef01234567"
 ORG, PIPELINE = "acme", "specgate"

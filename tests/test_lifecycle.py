@@ -1,4 +1,4 @@
-"""The one session lifecycle (specgate.lifecycle) in real processes, with real signals:
+"""The one session lifecycle (specgate.sessions.lifecycle) in real processes, with real signals:
 a summary that is never stale, never half-written and always says how the run ended."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SESSION = '''
 import subprocess, sys, time
 from specgate.contract import artifacts
 from specgate.core import cli
-from specgate import lifecycle
+from specgate.sessions import lifecycle
 
 def step(ctx):
     what = ctx.args.what

@@ -119,8 +119,8 @@ def test_a_coverage_table_without_files_is_rejected(tmp_path):
 def test_session_with_malformed_manifest_exits_2_with_one_line(tmp_path):
     path = tmp_path / "manifest.toml"
     path.write_text(_base().replace("schema = 1", "schema = 7"))
-    proc = subprocess.run([sys.executable, "-m", "specgate.selftest"], cwd=REPO, capture_output=True, text=True,
-                          env={**_env(), "SPECGATE_MANIFEST": str(path)})
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.selftest"], cwd=REPO, capture_output=True,
+                          text=True, env={**_env(), "SPECGATE_MANIFEST": str(path)})
     assert proc.returncode == 2
     lines = proc.stdout.strip().splitlines()
     errors = [line for line in lines if line.startswith("error:")]

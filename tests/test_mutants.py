@@ -17,7 +17,7 @@ import torch
 from contract import VALIDATOR, read_valid
 
 from specgate.core.manifest import REPO_ROOT
-from specgate.mutants import MUTANT_VAR, session
+from specgate.sessions.mutants import MUTANT_VAR, session
 from specgate.vllmside import catalogue
 
 
@@ -539,7 +539,7 @@ def test_each_mutants_checks_select_the_checks_meant_to_score_it():
 @pytest.mark.parametrize("value", ["0", "many"])
 def test_a_seed_set_count_below_one_is_one_line_of_bad_input(tmp_path, value):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_"))}
-    proc = subprocess.run([sys.executable, "-m", "specgate.mutants", "--seed-sets", value], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.mutants", "--seed-sets", value], cwd=REPO_ROOT,
                           env={**env, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr

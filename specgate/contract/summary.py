@@ -112,7 +112,7 @@ def model_labels(entry: Mapping[str, Any]) -> tuple[str | None, str | None]:
     hub id, or the fixture's own name for a fixture used directly (known-answer targets).
 
     The entry's target and draft are the hub ids the run is about; what was loaded is read from
-    its engine keys (specgate.e2e.runs.Run.key: the target's, then the draft's
+    its engine keys (specgate.sessions.e2e.runs.Run.key: the target's, then the draft's
     <fixture or hub id>@<revision> before the method). A fixture entry with no engine key (it
     never started one) says only that a fixture stood in."""
     keys = [entry["key"]] if entry.get("key") else list(entry.get("engines") or ())

@@ -4,7 +4,7 @@ not exist"), which breaks transformers' model imports.
 
 `python -m specgate.core.torchprobe` prints, as JSON, which of them fail to import in
 this interpreter (each probed in its own process). The noxfile side decides
-(specgate.noxsupport): install CPU builds when an index is configured, else
+(specgate.sessions.noxsupport): install CPU builds when an index is configured, else
 remove them and record the degradation here, in the venv, for every summary.
 """
 

@@ -520,7 +520,7 @@ def main(argv: list[str]) -> int:
     enginehooks.install(record=any(r.get("record_drafts") for r in pending),
                         repairs={r["repair"] for r in pending if r.get("repair")})
     mutant_fired = None
-    mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.mutants)
+    mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.sessions.mutants)
     if mutant:
         from specgate.vllmside import catalogue
 

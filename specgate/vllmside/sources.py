@@ -8,7 +8,7 @@ Modes (--model-source / SPECGATE_MODEL_SOURCE):
 Nothing here touches the network: "cached" means huggingface_hub's own cached
 file listing for the pinned commit exists and every listed file is on disk at
 its listed size. A snapshot folder without that listing (an interrupted or
-foreign download) does not count. specgate.warm fills the cache.
+foreign download) does not count. specgate.sessions.warm fills the cache.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def hub_source(ckpt: Checkpoint, snap: Snapshot, status: str = "cached") -> Sour
 
 
 def resolve(manifest: Manifest, repo_id: str, mode: str, *, cache_dir: Path | str | None = None) -> Source:
-    """The source to load repo_id from under `mode`; never downloads (see specgate.warm)."""
+    """The source to load repo_id from under `mode`; never downloads (see specgate.sessions.warm)."""
     if mode not in MODEL_SOURCES:
         raise BadInput(f"model source {mode!r}: expected one of {', '.join(MODEL_SOURCES)}")
     ckpt = checkpoint(manifest, repo_id)

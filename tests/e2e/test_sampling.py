@@ -1,5 +1,5 @@
 """Speculative sampling at temperature > 0 through real vLLM engines, against an exact oracle
-(specgate.e2e.sampling: the theorem that speculation leaves the target's distribution
+(specgate.sessions.e2e.sampling: the theorem that speculation leaves the target's distribution
 unchanged, on targets whose distribution is known at every position).
 
 Each case is a config with a [sampling] table and a draft sample method. On a vLLM version the
@@ -15,7 +15,7 @@ import pytest
 from test_spec_decode import _generate, _raise_as_declared, expect_declared_defect
 
 from specgate.core import build
-from specgate.e2e import compare, report, runs, sampling
+from specgate.sessions.e2e import compare, report, runs, sampling
 from specgate.vllmside import knownanswer
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import builtins
 
 import pytest
 
-from specgate.e2e import compare, report, runs
+from specgate.sessions.e2e import compare, report, runs
 from specgate.vllmside import engine, knownanswer
 
 pytestmark = pytest.mark.e2e

@@ -29,11 +29,12 @@ from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 
-from specgate import caches, lifecycle
 from specgate.contract import artifacts, exitcodes, processes
 from specgate.core import cli, envpin
 from specgate.core.manifest import REPO_ROOT, Checkpoint, Manifest
 from specgate.core.paths import tree_size
+from specgate.sessions import lifecycle
+from specgate.sessions.caches import session as caches
 from specgate.vllmside import hubcheck, sources
 
 SESSION = "warm_cache"
@@ -230,7 +231,8 @@ def fetch_in_child(repo_id: str, revision: str, cache: Path, online_env: dict[st
     for name, value in CHILD_TIMEOUTS.items():
         env.setdefault(name, value)
     proc = subprocess.run(
-        [sys.executable, "-c", "from specgate.warm import child_main; child_main()", repo_id, revision, str(cache)],
+        [sys.executable, "-c", "from specgate.sessions.warm.session import child_main; child_main()",
+         repo_id, revision, str(cache)],
         env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, errors="replace",
         preexec_fn=processes.die_with_parent,  # a killed warm_cache leaves no download running
     )
@@ -289,6 +291,3 @@ def test_entry(row: Row) -> dict:
             "cause": (label if label in (*LABELS, hubcheck.CORRUPT) else "cache-miss") if missing else None,
             "reason": row.source.reason or None, "time_s": row.seconds}
 
-
-if __name__ == "__main__":
-    lifecycle.main(SESSION, build_parser(), step)

@@ -1,4 +1,4 @@
-"""pytest plugin loaded into every session's pytest process (see specgate.pytestrun).
+"""pytest plugin loaded into every session's pytest process (see specgate.sessions.pytestrun).
 
 It compares the environment the test process really sees with the manifest and
 stops the run before any test when they differ, so a value set in two places

@@ -21,7 +21,7 @@ SEED_VAR = "SPECGATE_SAMPLING_SEED"     # another seed set for the sampling requ
 @dataclass(frozen=True)
 class Sampling:
     """[e2e.sampling]: the requests every sampling engine generates and the bounds its checks
-    hold (specgate.e2e.sampling), and the vLLM defect declared for the versions that have it."""
+    hold (specgate.sessions.e2e.sampling), and the vLLM defect declared for the versions that have it."""
     temperature: float
     top_k: int
     top_p: float
@@ -160,7 +160,8 @@ class Model:
     answer_rule: str | None  # a known-answer target's specgate.vllmside.knownanswer rule
     vocab_size: int | None
     architecture: str | None
-    answer_logits: list[float] | None = None   # a sampling target's logits on answer + j (specgate.e2e.sampling)
+    # a sampling target's logits on answer + j (specgate.sessions.e2e.sampling)
+    answer_logits: list[float] | None = None
 
     @property
     def ident(self) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specgate.core.manifest import E2EConfig
-from specgate.e2e.planning import Config, Model, Settings, declared_for
+from specgate.sessions.e2e.planning import Config, Model, Settings, declared_for
 
 DRAFT_MODEL_METHODS = ("eagle3", "dflash", "mtp")
 

@@ -19,13 +19,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from specgate import e2e_history, lifecycle, pytestrun
 from specgate.ciside import history
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli, envpin
 from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError
-from specgate.e2e import SESSION
-from specgate.e2e.planning import (
+from specgate.sessions import lifecycle, pytestrun
+from specgate.sessions.e2e import SESSION
+from specgate.sessions.e2e import review as e2e_history
+from specgate.sessions.e2e.planning import (
     PLAN_VAR,
     Settings,
     missing_models,
@@ -34,7 +35,7 @@ from specgate.e2e.planning import (
     unrecorded_floors,
     without_floors,
 )
-from specgate.e2e.report import (
+from specgate.sessions.e2e.report import (
     RECORDS_VAR,
     Recorder,
     compile_backend,
@@ -43,7 +44,7 @@ from specgate.e2e.report import (
     merge_results,
     session_exit_code,
 )
-from specgate.e2e.standin import run_upstream
+from specgate.sessions.e2e.standin import run_upstream
 from specgate.vllmside import cachestore, compilecache, upstream
 
 TESTS_DIR = "tests/e2e"
@@ -55,7 +56,7 @@ def build_parser():
     p.add_argument("--upstream-e2e", action="store_true",
                    help="also run upstream's tests/v1/e2e/test_cpu_spec_decode.py from the upstream test tree, "
                         "its models redirected to their stand-ins where they resolve to fixtures")
-    history.add_options(p)   # where past runs are, for the drift check (specgate.e2e_history)
+    history.add_options(p)   # where past runs are, for the drift check (specgate.sessions.e2e.review)
     return p
 
 

@@ -27,13 +27,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from specgate import lifecycle
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli
 from specgate.core.manifest import ManifestError
-from specgate.e2e.planning import Settings, missing_models, plan_dict, resolve_config
-from specgate.e2e.session import run_tests
-from specgate.mutants import MUTANT_VAR, SESSION
+from specgate.sessions import lifecycle
+from specgate.sessions.e2e.planning import Settings, missing_models, plan_dict, resolve_config
+from specgate.sessions.e2e.session import run_tests
+from specgate.sessions.mutants import MUTANT_VAR, SESSION
 from specgate.vllmside.catalogue import CATALOGUE, MUTANTS
 from specgate.vllmside.engine import TIMED_OUT
 

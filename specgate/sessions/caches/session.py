@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specgate import lifecycle
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli
 from specgate.core.manifest import CacheSpec
+from specgate.sessions import lifecycle
 from specgate.vllmside import cachestore
 
 SESSION = "cache"
@@ -94,6 +94,3 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         [r["kind"], r["belongs_to"], f"{r['size_bytes'] / (1 << 20):.1f}", r["age_days"], r["last_used_days"],
          "yes" if r["in_use"] else "", r["build"] or ""] for r in rows])
 
-
-if __name__ == "__main__":
-    lifecycle.main(SESSION, build_parser(), step)

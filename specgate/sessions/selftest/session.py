@@ -4,12 +4,9 @@ job chain driven as an agent runs it (real installs and engines: minutes, not se
 
 from __future__ import annotations
 
-import os
-
-from specgate import lifecycle, pytestrun
 from specgate.contract import artifacts, exitcodes
-from specgate.core import cli
 from specgate.core.manifest import REPO_ROOT
+from specgate.sessions import lifecycle, pytestrun
 
 # Which tests each session runs (its session name comes from noxsupport, as SPECGATE_SESSION).
 TIERS = {"tests": ["--ignore=tests/ci"], "ci_jobs": ["tests/ci"]}
@@ -31,7 +28,3 @@ def step(ctx: lifecycle.Context) -> int:
                                    ("failed", "error") else "skip") for r in results]
     return exitcodes.from_pytest(code)
 
-
-if __name__ == "__main__":
-    session = os.environ.get("SPECGATE_SESSION", "tests")
-    lifecycle.main(session, cli.parser(session, __doc__.splitlines()[0]), step)

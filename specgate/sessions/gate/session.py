@@ -44,12 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specgate import lifecycle
 from specgate.ciside import buildkite, charts, history
 from specgate.ciside.history import FAILED, STEPS, Run
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli
 from specgate.core.manifest import GateSpec
+from specgate.sessions import lifecycle
 
 SESSION = "gate"
 CHART = "window.svg"
@@ -277,6 +277,3 @@ def step(ctx: lifecycle.Context) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     return lifecycle.run(SESSION, build_parser(), step, argv)
 
-
-if __name__ == "__main__":
-    lifecycle.main(SESSION, build_parser(), step)

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from specgate import lifecycle
 from specgate.ciside import buildkite, charts, drift, history
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli
+from specgate.sessions import lifecycle
 
 SESSION = "cpu_e2e"
 CHART = "acceptance.svg"

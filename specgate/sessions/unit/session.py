@@ -29,12 +29,12 @@ from typing import Any
 
 from junitparser import JUnitXml
 
-from specgate import lifecycle, pytestrun
 from specgate.ciside import classify
 from specgate.contract import artifacts, exitcodes, summary
 from specgate.core import cli, envpin, torchprobe
 from specgate.core.manifest import Manifest, Redirect
-from specgate.pytestrun import TestResult
+from specgate.sessions import lifecycle, pytestrun
+from specgate.sessions.pytestrun import TestResult
 from specgate.vllmside import cachestore, fixtures, sources, upstream
 from specgate.vllmside.redirect import MAP_VAR as REDIRECTS_MAP_VAR
 
@@ -425,6 +425,3 @@ def _short(text: str | None) -> str:
     line = " ".join((text or "").split())
     return line if len(line) <= REASON_WIDTH else line[:REASON_WIDTH - 1] + "…"
 
-
-if __name__ == "__main__":
-    lifecycle.main(SESSION, build_parser(), step)

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specgate import pytestrun
 from specgate.core.manifest import SPEC_METHODS, Manifest
-from specgate.e2e import SESSION
-from specgate.e2e.report import merge_results, session_exit_code
+from specgate.sessions import pytestrun
+from specgate.sessions.e2e import SESSION
+from specgate.sessions.e2e.report import merge_results, session_exit_code
 
 UPSTREAM_FILE = "tests/v1/e2e/test_cpu_spec_decode.py"
 

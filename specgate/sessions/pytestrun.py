@@ -46,8 +46,8 @@ def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] |
                log: Path | None = None) -> int:
     """Run `python -m pytest` with JUnit output. Its output reaches the terminal (and the log
     file, if given) with secrets masked, and so does the JUnit XML; it dies with this process."""
-    # specgate.envcheck verifies, inside the test process, that the environment matches the manifest.
-    command = [sys.executable, "-m", "pytest", "-p", "specgate.envcheck",
+    # specgate.sessions.envcheck verifies, inside the test process, that the environment matches the manifest.
+    command = [sys.executable, "-m", "pytest", "-p", "specgate.sessions.envcheck",
                *collector_args(os.environ if env is None else env), f"--junitxml={junit}",
                "-o", "junit_family=xunit1", *args]
     print(redact("+ " + " ".join(command)), flush=True)

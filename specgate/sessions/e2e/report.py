@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specgate import pytestrun
 from specgate.contract import artifacts, exitcodes
 from specgate.contract import summary as contract
-from specgate.e2e.runs import Run
+from specgate.sessions import pytestrun
+from specgate.sessions.e2e.runs import Run
 
 RECORDS_VAR = "SPECGATE_E2E_RECORDS"
 # What each test entry carries beside the common nodeid/outcome/cause/reason/time_s.

@@ -57,10 +57,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from specgate import benchreport, lifecycle
 from specgate.contract import artifacts, exitcodes, summary
 from specgate.core import cli, envpin
 from specgate.core.manifest import REPO_ROOT, Manifest
+from specgate.sessions import lifecycle
+from specgate.sessions.bench import report as benchreport
 from specgate.vllmside import compilecache
 
 SESSION = "bench"
@@ -378,7 +379,7 @@ def bare_pytest_plan(manifest: Manifest, summary: dict, venv: Path, seen: Mappin
 
 
 def seen_env(session: str) -> dict[str, str | None]:
-    """The environment the session's last pytest process reported (specgate.envcheck)."""
+    """The environment the session's last pytest process reported (specgate.sessions.envcheck)."""
     path = artifacts.artifacts_dir(session) / "pytest-env.json"
     return json.loads(path.read_text(encoding="utf-8")).get("env", {}) if path.is_file() else {}
 
@@ -433,7 +434,8 @@ def env_setup(runner: Runner, manifest: Manifest, skip_pip: bool) -> list[Figure
             figures.append(timed_steps(runner, "env_setup_uv_s", env, [
                 [uv[0], "venv", "--python", sys.executable, venv],
                 [uv[0], "pip", "install", "--python", venv / "bin" / "python", "-r", constraints],
-                # as the sessions do after installing (specgate.noxsupport.compile_bytecode); pip compiles itself
+                # as the sessions do after installing (specgate.sessions.noxsupport.compile_bytecode);
+                # pip compiles itself
                 [venv / "bin" / "python", "-m", "compileall", "-q", "-j", "0", venv / "lib"],
             ], ok_codes=(0, 1)))
         if skip_pip:
@@ -769,6 +771,3 @@ def step(ctx: lifecycle.Context) -> int:
                                {"outcome": "passed", "cause": None, "reason": None})} for f in figures]
     return exitcodes.FAILURE if unmeasured else exitcodes.OK
 
-
-if __name__ == "__main__":
-    lifecycle.main(SESSION, build_parser(), step)
