@@ -37,8 +37,9 @@ def ci_jobs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["check"])
 def lint(session: nox.Session) -> None:
-    """Lint the repository with ruff (rules in pyproject.toml)."""
+    """Lint the repository with ruff, and specgate/'s layers with import-linter (both in pyproject.toml)."""
     static_check(session, "ruff", "check", ".")
+    static_check(session, "lint-imports")
 
 
 @nox.session(python=PYTHON, tags=["check"])
