@@ -123,7 +123,7 @@ def test_cli_rejects_an_unknown_name_with_exit_2(command, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"specgate.vllmside.fixtures: unknown fixture 'no-such-fixture' (known: {', '.join(sorted(load().fixtures))})"]
+        f"specgate.fixtures: unknown fixture 'no-such-fixture' (known: {', '.join(sorted(load().fixtures))})"]
     assert not list((tmp_path / "fixtures").glob("tiny-qwen3-*")), "nothing is built when a name is bad"
 
 

@@ -6,7 +6,7 @@ torch.Generator or are set by hand, keys are written in sorted order, nothing re
 So two builds of one fixture are byte-identical. A build takes seconds and writes config.json,
 model.safetensors, a 512-token byte-level BPE tokenizer and fixture.json (the facts tests read)
 into ``cache_root()/fixtures/NAME-HASH``; HASH covers the builders' sources (this file and
-specgate.vllmside.knownanswer), the kind, the params and the versions of the libraries that produce the
+specgate.knownanswer), the kind, the params and the versions of the libraries that produce the
 bytes, so any change means a new folder.
 
 Every model shares one shape so that any draft pairs with any target: vocabulary V = 512,
@@ -15,7 +15,7 @@ exception is the MiMo context target (1024 wide, see MIMO_CONTEXT_HIDDEN), whose
 its own MTP layer.
 
 Known-answer fixtures have weights set by hand. The "context" targets continue a prompt by
-reading the previous token through attention (specgate.vllmside.knownanswer: x[t-1] + 2), so a fault in
+reading the previous token through attention (specgate.knownanswer: x[t-1] + 2), so a fault in
 the verification step's attention, positions or KV cache changes their output; the
 "successor" drafts propose (t + 1) chains, exact where the target's answer is such a chain and
 wrong at known positions elsewhere. The designs are documented at each builder; weights a
@@ -259,7 +259,7 @@ def build_qwen3_random(p: dict[str, Any]) -> Built:
     return Built(_config_dict(config), tensors, {**_target_facts(config, "ngram"), **planted})
 
 
-# Context known-answer targets: greedy next token is x[t-1] + 2 (specgate.vllmside.knownanswer), read
+# Context known-answer targets: greedy next token is x[t-1] + 2 (specgate.knownanswer), read
 # through layer 0's attention. Residual stream: the embedding is CONTEXT_EMBED * e(t), one-hot.
 # Layer 0 has 16 query heads over 8 KV heads; KV head c carries dims 64c..64c+63 of the
 # one-hot as its value and a key that is the same for every token, so a head reads by position
@@ -814,18 +814,18 @@ def ensure_all(manifest: Manifest, names: Sequence[str] | None = None, *, full: 
 
 def describe(manifest: Manifest, name: str) -> dict[str, Any]:
     """name, kind, hash, path and the facts tests need (vocab_size, aux_layer_ids, mask_token_id,
-    known_answer: the specgate.vllmside.knownanswer rule a target's greedy continuation follows, ...)."""
+    known_answer: the specgate.knownanswer rule a target's greedy continuation follows, ...)."""
     path = ensure(manifest, name)
     facts = json.loads((path / "fixture.json").read_text(encoding="utf-8"))
     return {"name": name, **facts, "path": path}
 
 
 # ---------------------------------------------------------------------------
-# CLI: python -m specgate.vllmside.fixtures [--only NAME ...] [--print-paths]
+# CLI: python -m specgate.fixtures [--only NAME ...] [--print-paths]
 # ---------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specgate.vllmside.fixtures",
+    parser = argparse.ArgumentParser(prog="python -m specgate.fixtures",
                                      description="Build the fixture checkpoints the manifest declares.")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="build only these fixtures")
     parser.add_argument("--print-paths", action="store_true", help="print NAME<TAB>PATH per fixture")
@@ -838,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fixture_hash(_fixture(manifest, name))      # validate every name before building any
         paths = ensure_all(manifest, names)
     except ManifestError as exc:
-        print(f"specgate.vllmside.fixtures: {exc}", file=sys.stderr)
+        print(f"specgate.fixtures: {exc}", file=sys.stderr)
         return 2
     for name, path in paths.items():
         print(f"{name}\t{path}" if args.print_paths else f"fixture {name}: {path}")
