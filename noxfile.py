@@ -2,7 +2,7 @@
 
 Every session records its result in artifacts/<session>/summary.json and ends with
 its own exit code (0 pass, 1 failure, 2 bad input, 75 incomplete); a nox call that
-runs several ends with the most severe of them (specgate.noxsupport).
+runs several ends with the most severe of them (specgate.sessions.noxsupport).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from specgate.noxsupport import lock_constraints, run_module, static_check  # noqa: E402
+from specgate.sessions.noxsupport import lock_constraints, run_module, static_check  # noqa: E402
 
 nox.needs_version = ">=2025.2.9"
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -26,19 +26,20 @@ PYTHON = "3.11"
 @nox.session(python=PYTHON, tags=["check"])
 def tests(session: nox.Session) -> None:
     """Run the harness's own tests but the Buildkite job chain (the fast loop)."""
-    run_module(session, "specgate.selftest")
+    run_module(session, "specgate.sessions.selftest")
 
 
 @nox.session(python=PYTHON, tags=["check"])
 def ci_jobs(session: nox.Session) -> None:
     """Run tests/ci: the Buildkite job chain, driven as an agent runs it."""
-    run_module(session, "specgate.selftest")
+    run_module(session, "specgate.sessions.selftest")
 
 
 @nox.session(python=PYTHON, tags=["check"])
 def lint(session: nox.Session) -> None:
-    """Lint the repository with ruff (rules in pyproject.toml)."""
+    """Lint the repository with ruff, and specgate/'s layers with import-linter (both in pyproject.toml)."""
     static_check(session, "ruff", "check", ".")
+    static_check(session, "lint-imports")
 
 
 @nox.session(python=PYTHON, tags=["check"])
@@ -50,43 +51,43 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["gate"])
 def warm_cache(session: nox.Session) -> None:
     """Fill the HF cache with every pinned checkpoint and build the fixtures."""
-    run_module(session, "specgate.warm")
+    run_module(session, "specgate.sessions.warm")
 
 
 @nox.session(python=PYTHON, tags=["gate"])
 def cpu_unit(session: nox.Session) -> None:
     """Run vLLM's own 14 spec-decode unit files at the installed vLLM version."""
-    run_module(session, "specgate.unit")
+    run_module(session, "specgate.sessions.unit")
 
 
 @nox.session(python=PYTHON, tags=["gate"])
 def cpu_e2e(session: nox.Session) -> None:
     """Run engine-level spec-decode e2e tests in torch.compile mode."""
-    run_module(session, "specgate.e2e")
+    run_module(session, "specgate.sessions.e2e")
 
 
 @nox.session(python=PYTHON, default=False)
 def mutants(session: nox.Session) -> None:
     """Inject each catalogued spec-decode fault into the engine and see which e2e checks kill it."""
-    run_module(session, "specgate.mutants")
+    run_module(session, "specgate.sessions.mutants")
 
 
 @nox.session(python=PYTHON, default=False)
 def gate(session: nox.Session) -> None:
     """Say from past summary.json files whether the CI step may drop soft_fail."""
-    run_module(session, "specgate.gate")
+    run_module(session, "specgate.sessions.gate")
 
 
 @nox.session(python=PYTHON, default=False)
 def cache(session: nox.Session) -> None:
     """List the harness's caches, or prune them to the manifest's bounds (-- prune)."""
-    run_module(session, "specgate.caches")
+    run_module(session, "specgate.sessions.caches")
 
 
 @nox.session(python=PYTHON, default=False)
 def bench(session: nox.Session) -> None:
     """Measure harness overhead, cache no-op, env setup and compile-cache speedups."""
-    run_module(session, "specgate.bench")
+    run_module(session, "specgate.sessions.bench")
 
 
 @nox.session(venv_backend="none", default=False)

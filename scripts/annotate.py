@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specgate import build  # noqa: E402
-from specgate import summary as contract  # noqa: E402
+from specgate.contract import summary as contract  # noqa: E402
+from specgate.core import build  # noqa: E402
 
 SESSIONS = ("cpu_unit", "cpu_e2e")
 STATUSES = ("running", *contract.FINAL)
@@ -42,7 +42,7 @@ TIMEOUTS = (124, 137)   # GNU timeout: the command timed out; 137 when it also h
 E2E_COLUMNS = (("nodeid", "test"), ("method", "method"), ("model_source", "model source"), ("model", "model"),
                ("runner", "runner"), ("outcome", "outcome"), ("acceptance_len", "acceptance len"),
                ("threshold", "threshold"), ("matches_baseline", "matches baseline"))
-CHART = "acceptance.svg"   # cpu_e2e's chart (specgate.charts), uploaded with artifacts/**
+CHART = "acceptance.svg"   # cpu_e2e's chart (specgate.ciside.charts), uploaded with artifacts/**
 
 
 class BadSummary(Exception):
@@ -133,7 +133,7 @@ def load(path: Path) -> dict | None:
 
 
 def check(summary: dict, session: str) -> None:
-    """The fields this script reads, in the shape specgate/summary.schema.json gives them."""
+    """The fields this script reads, in the shape specgate/contract/summary.schema.json gives them."""
     if summary.get("session") != session:
         raise BadSummary(f"'session' is {summary.get('session')!r}, not {session!r}")
     if summary.get("status") not in STATUSES:

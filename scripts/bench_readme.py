@@ -3,7 +3,7 @@
 
 Usage: python3 scripts/bench_readme.py [BENCH_JSON]   (default: the bench's own, artifacts/bench/bench.json)
 
-Rewrites only the block between specgate.benchreport's README_BEGIN/README_END markers in
+Rewrites only the block between specgate.sessions.bench.report's README_BEGIN/README_END markers in
 docs/performance.md, atomically. Exit 0 when written; exit 2 with one line when the report or
 the page's block cannot be read.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from specgate import artifacts, benchreport  # noqa: E402
+from specgate.contract import artifacts  # noqa: E402
+from specgate.sessions.bench import report as benchreport  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,7 @@
 Usage: python3 scripts/classify_failure.py LOGFILE
 
 Stdlib only, so the CI wrapper can call it from a bare host. Exit 0 with a label
-(see specgate.classify.LABELS); exit 2 with one line when LOGFILE cannot be read.
+(see specgate.ciside.classify.LABELS); exit 2 with one line when LOGFILE cannot be read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specgate.classify import explain  # noqa: E402
+from specgate.ciside.classify import explain  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@
 #   a timeout is a failure and is never rerun: exit 124, or 137 when the command was
 #   still running SPECGATE_KILL_AFTER (default 30s) after the SIGTERM and was SIGKILLed.
 # The script exits with the last attempt's exit code. SPECGATE_NO_RETRY=1 disables reruns.
-# Each attempt sees SPECGATE_ATTEMPT=<n> (specgate.summary records reruns by it).
+# Each attempt sees SPECGATE_ATTEMPT=<n> (specgate.contract.summary records reruns by it).
 #
 # No process outlives its attempt. GNU timeout makes itself a process-group leader and
 # signals the group; a process that left the group (setsid) still carries the attempt's
@@ -21,7 +21,7 @@
 # timed out, or this script was signalled) every process carrying the marker gets
 # SIGTERM, then SIGKILL SPECGATE_SWEEP_GRACE_S (default 5) seconds later.
 #
-# Echoed commands are masked by the sessions' own rule (python3 -m specgate.secrets):
+# Echoed commands are masked by the sessions' own rule (python3 -m specgate.core.secrets):
 # credential values such as HF_TOKEN's and the user:password of URLs, never a value just
 # because its variable's name contains KEY.
 #
@@ -63,7 +63,7 @@ MARKER_VAR=SPECGATE_STEP_MARKER
 
 # TEXT with credentials masked, by the same rule the sessions apply.
 masked() {
-    PYTHONPATH=$REPO_ROOT python3 -m specgate.secrets <<<"$1"
+    PYTHONPATH=$REPO_ROOT python3 -m specgate.core.secrets <<<"$1"
 }
 
 # The argv of one attempt: timeout around `bash -c COMMAND`, inside docker when asked.

@@ -1,5 +1,5 @@
 """A real HTTP server on 127.0.0.1 that answers like Buildkite's REST API v2 for what
-specgate.buildkite reads (https://buildkite.com/docs/apis/rest-api):
+specgate.ciside.buildkite reads (https://buildkite.com/docs/apis/rest-api):
 
 - GET /v2/organizations/{org}/pipelines/{pipeline}/builds?branch=&state=&per_page=&page=
       builds newest first, each with its jobs; state=finished means passed, failed,

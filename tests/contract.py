@@ -1,5 +1,5 @@
 """The result contract as tests check it: every summary.json validates against
-specgate/summary.schema.json (jsonschema, with date-time formats checked)."""
+specgate/contract/summary.schema.json (jsonschema, with date-time formats checked)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator, FormatChecker
 
-from specgate import summary
+from specgate.contract import summary
 
 VALIDATOR = Draft202012Validator(summary.load_schema(), format_checker=FormatChecker())
 

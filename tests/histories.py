@@ -1,5 +1,5 @@
 """Synthetic cpu_unit and cpu_e2e histories for the gate, history and drift tests: summary.json
-records as the sessions write them, each checked against specgate/summary.schema.json as it is
+records as the sessions write them, each checked against specgate/contract/summary.schema.json as it is
 built, passing the coverage floors the real manifest declares unless a test says otherwise."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import jsonschema
 
-from specgate import history, manifest, summary
+from specgate.ciside import history
+from specgate.contract import summary
+from specgate.core import manifest
 
 START = datetime(2026, 11, 1, 6, 0, tzinfo=UTC)
 VERSION = "0.32.0"
@@ -129,7 +131,7 @@ def e2e_job(build: int | None, acceptance_len: float = 1.85, rates: tuple[float,
             init_s: float = 10.0, revision: str = FIXTURE_REVISION, inputs: str = INPUTS, **options) -> dict:
     """A cpu_e2e summary whose eagle3 test measured `acceptance_len` (rates per draft position),
     beside enough passing tests to keep the coverage floor; entries stamped as the session stamps them."""
-    from specgate import drift
+    from specgate.ciside import drift
 
     tests = [eagle3_entry(acceptance_len, revision), *passing("cpu_e2e")]
     drift.stamp(tests, inputs)

@@ -30,7 +30,7 @@ from urllib.parse import unquote, urlsplit
 
 from localserver import LocalServer
 
-from specgate import manifest as specgate_manifest
+from specgate.core import manifest as specgate_manifest
 
 LFS_SUFFIXES = (".safetensors", ".bin")
 ERROR_CODES = {401: "GatedRepo", 403: "GatedRepo", 404: "RevisionNotFound"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from contract import read_valid
 
-from specgate import artifacts, summary
+from specgate.contract import artifacts, summary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,10 +33,10 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_intact(tmp_path):
     child = f"""
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
-from specgate import artifacts
+from specgate.contract import artifacts
 class Slow(str):
     pass
-import specgate.artifacts as a
+import specgate.contract.artifacts as a
 real = a.redact
 def slow(text):
     time.sleep(30)
@@ -60,7 +60,7 @@ def test_format_rows_aligns_columns():
 
 
 def test_junit_for_a_session_without_pytest(tmp_path, monkeypatch):
-    from specgate import pytestrun
+    from specgate.sessions import pytestrun
 
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
     path = artifacts.write_junit("warm_cache", [("a/b@123", None, 0.5), ("c/d@456", "hub unreachable", 1.0)])

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specgate import bench, benchreport, summary
-from specgate.manifest import load
+from specgate.contract import summary
+from specgate.core.manifest import load
+from specgate.sessions.bench import report as benchreport
+from specgate.sessions.bench import session as bench
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -246,7 +248,8 @@ def test_runner_logs_output_and_flags_unexpected_codes(tmp_path):
 STOPPED_BENCH = """
 import os, signal, sys
 from pathlib import Path
-from specgate import bench, lifecycle
+from specgate.sessions import lifecycle
+from specgate.sessions.bench import session as bench
 signal.signal(signal.SIGTERM, lifecycle._raise_stopped)     # as the bench session's lifecycle does
 grandchild = "import time; print('up', flush=True); time.sleep(300)"
 try:
@@ -310,8 +313,8 @@ def test_bare_pytest_plan_uses_the_session_venv_pins_and_files(tmp_path, monkeyp
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["--runs", "0"], ["--only", "nothing"], ["--", "-k", "x"]])
 def test_bad_options_exit_2_with_one_line(argv):
-    proc = subprocess.run([sys.executable, "-m", "specgate.bench", *argv], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.bench", *argv], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "-> exit 2 (bad input)" in proc.stdout.splitlines()[-1]

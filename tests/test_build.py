@@ -1,5 +1,5 @@
-"""What `--vllm` names (specgate.build) and how a build venv refuses what it cannot install
-(specgate.buildenv), on small real wheels made here."""
+"""What `--vllm` names (specgate.core.build) and how a build venv refuses what it cannot install
+(specgate.vllmside.buildenv), on small real wheels made here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from specgate import build, buildenv
+from specgate.core import build
+from specgate.vllmside import buildenv
 
 SHA = "0a1b2c3d4e5f60718293a4b5c6d7e8f901234567"
 

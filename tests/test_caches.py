@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from contract import read_valid
 
-from specgate import cachestore, compilecache
-from specgate.e2e import session as e2e_session
-from specgate.manifest import REPO_ROOT
+from specgate.core.manifest import REPO_ROOT
+from specgate.sessions.e2e import session as e2e_session
+from specgate.vllmside import cachestore, compilecache
 
 MIB = 1 << 20
 DAY = 86400
@@ -49,14 +49,14 @@ def _entry(root: Path, name: str, mib: float, last_used_days_ago: float | None =
 
 
 def _session(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specgate.caches", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specgate.sessions.caches", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300, env=os.environ.copy())
 
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from specgate import cachestore
+from specgate.vllmside import cachestore
 with cachestore.lease(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(120)
@@ -188,7 +188,7 @@ def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path
     goes, one as old that a builder is writing stays (and is reported busy; a lease would have
     stamped it used now). Run in this test run's own (temporary) harness cache, whose fixtures
     are already built."""
-    from specgate.paths import cache_root
+    from specgate.core.paths import cache_root
 
     old = _entry(cache_root() / "fixtures", "old-0000000000000000", 1, last_used_days_ago=40)
     held = _entry(cache_root() / "fixtures", "held-0000000000000000", 1, last_used_days_ago=40)
@@ -197,8 +197,8 @@ def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path
            cachestore.ENVDIR_VAR: str(tmp_path / "nox")}
     holder = _holding(BUILD, held.with_name(f".{held.name}.lock"))
     try:
-        proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "fixture", "--suites", "gate"],
-                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "specgate.sessions.warm", "--model-source", "fixture",
+                               "--suites", "gate"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
         holder.wait()
@@ -224,8 +224,8 @@ def test_warm_cache_never_prunes_the_fixtures_it_is_about_to_warm(tmp_path):
     """Under a budget nothing fits (1 KiB), warm_cache's prune removes every other entry but
     leaves the manifest's own fixtures (leased first: this job warms them next), so none is
     built again; an older version of one goes. Run on a harness cache of its own."""
-    from specgate import fixtures
-    from specgate.manifest import load
+    from specgate.core.manifest import load
+    from specgate.vllmside import fixtures
 
     built = fixtures.ensure_all(load())                       # in this test run's temporary home
     cache = tmp_path / "cache"
@@ -238,8 +238,8 @@ def test_warm_cache_never_prunes_the_fixtures_it_is_about_to_warm(tmp_path):
     env = {**os.environ, "SPECGATE_CACHE_DIR": str(cache), "SPECGATE_MANIFEST": str(tmp_path / "manifest.toml"),
            compilecache.ROOT_VAR: str(cache / "compile"), cachestore.ENVDIR_VAR: str(tmp_path / "nox"),
            "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")}
-    proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "fixture", "--suites", "gate"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.warm", "--model-source", "fixture",
+                           "--suites", "gate"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not older.exists()
     for name, path in built.items():

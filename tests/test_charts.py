@@ -1,4 +1,4 @@
-"""The charts (specgate.charts) as a reader gets them: real matplotlib SVG, opened with xml.etree,
+"""The charts (specgate.ciside.charts) as a reader gets them: real matplotlib SVG, opened with xml.etree,
 its series found by the ids the charts give them."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from histories import (
     write_history,
 )
 
-from specgate import charts, gate, history
+from specgate.ciside import charts, history
+from specgate.sessions.gate import session as gate
 
 REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"

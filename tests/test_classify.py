@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specgate.classify import LABELS, classify, explain
+from specgate.ciside.classify import LABELS, classify, explain
 
 REPO = Path(__file__).resolve().parent.parent
 LOGS = Path(__file__).resolve().parent / "logs"

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from specgate import build, compilecache
+from specgate.core import build
+from specgate.vllmside import compilecache
 
 REPO = Path(__file__).resolve().parent.parent
-PRINT_ENV = "import json; from specgate.compilecache import compile_cache_env; print(json.dumps(compile_cache_env()))"
+PRINT_ENV = ("import json; from specgate.vllmside.compilecache import compile_cache_env; "
+             "print(json.dumps(compile_cache_env()))")
 
 
 @pytest.fixture

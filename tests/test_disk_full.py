@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from contract import assert_valid
 
-from specgate import classify
+from specgate.ciside import classify
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def session(module: str, *args: str, env: dict[str, str], run_id: str = "") -> s
 
 def test_a_full_cache_disk_is_env_blocked_and_leaves_no_half_built_fixture(tmp_path):
     with tmpfs(tmp_path / "cache", "4m") as cache:
-        proc = session("specgate.warm", "--model-source", "fixture",
+        proc = session("specgate.sessions.warm", "--model-source", "fixture",
                        env={"SPECGATE_CACHE_DIR": str(cache), "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")})
         assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-3000:]
         data = assert_valid(json.loads((tmp_path / "artifacts" / "warm_cache" / "summary.json").read_text()))
@@ -62,14 +62,14 @@ def test_a_full_artifacts_disk_keeps_the_summary_valid_and_never_stale(tmp_path)
     """The older summary fills what room there is; the new run removes it to write its own."""
     with tmpfs(tmp_path / "artifacts", "64k") as artifacts:
         env = {"SPECGATE_ARTIFACTS": str(artifacts), "SPECGATE_CACHE_DIR": str(tmp_path / "cache")}
-        assert session("specgate.caches", env=env, run_id="older-run").returncode == 0
+        assert session("specgate.sessions.caches", env=env, run_id="older-run").returncode == 0
         summary = artifacts / "cache" / "summary.json"
         old = json.loads(summary.read_text())
         filler = artifacts / "filler"
         with filler.open("wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
             while True:
                 f.write(b"\0" * 1024)
-        proc = session("specgate.caches", env=env, run_id="newer-run")
+        proc = session("specgate.sessions.caches", env=env, run_id="newer-run")
         data = assert_valid(json.loads(summary.read_text()))
         assert (old["run_id"], data["run_id"]) == ("older-run", "newer-run"), "the older summary stayed"
         assert (proc.returncode, data["status"], data["exit_code"]) == (0, "finished", 0), proc.stdout[-3000:]

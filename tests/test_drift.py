@@ -1,4 +1,4 @@
-"""Drift (specgate.drift, specgate.e2e_history) on cpu_e2e summaries as the session writes them
+"""Drift (specgate.ciside.drift, specgate.sessions.e2e.review) on cpu_e2e summaries as the session writes them
 (tests/histories.py), and once through the cpu_e2e session's step with pytest's engine run
 replaced by the JUnit XML and records an engine run leaves behind."""
 
@@ -22,9 +22,12 @@ from histories import (
     write_history,
 )
 
-from specgate import cli, drift, exitcodes, history, lifecycle, manifest, pytestrun
-from specgate.e2e import session
-from specgate.e2e.planning import Settings
+from specgate.ciside import drift, history
+from specgate.contract import exitcodes
+from specgate.core import cli, manifest
+from specgate.sessions import lifecycle, pytestrun
+from specgate.sessions.e2e import session
+from specgate.sessions.e2e.planning import Settings
 
 MANIFEST = manifest.load()
 SPEC, GATE = MANIFEST.drift, MANIFEST.gate
@@ -67,7 +70,7 @@ def test_a_0_3_drop_in_eagle3_acceptance_on_an_unchanged_fixture_is_a_regression
 
 
 def test_the_same_numbers_with_no_history_pass(tmp_path, monkeypatch):
-    """Through the session's own hook (specgate.e2e_history.review) and its options."""
+    """Through the session's own hook (specgate.sessions.e2e.review.review) and its options."""
     monkeypatch.delenv("SPECGATE_HISTORY", raising=False)
     monkeypatch.delenv("BUILDKITE_API_TOKEN", raising=False)
     current = e2e_job(6, acceptance_len=1.55, rates=(0.35, 0.15, 0.05))
@@ -82,7 +85,7 @@ def test_the_same_numbers_with_no_history_pass(tmp_path, monkeypatch):
 
 
 def review(record: dict, argv: list[str]) -> int:
-    from specgate import e2e_history
+    from specgate.sessions.e2e import review as e2e_history
 
     args = cli.parse(session.build_parser(), argv)
     return e2e_history.review(lifecycle.Context("cpu_e2e", MANIFEST, args, record), asdict(Settings.parse(MANIFEST)))
@@ -258,6 +261,6 @@ def test_the_session_fails_a_regression_only_when_it_has_history(tmp_path, monke
 
 
 def drift_host() -> dict:
-    from specgate import summary
+    from specgate.contract import summary
 
     return summary.host()

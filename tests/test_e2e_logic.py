@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from contract import VALIDATOR, read_valid
 
-from specgate import engine, knownanswer, pytestrun
-from specgate import manifest as m
-from specgate import summary as contract
-from specgate.e2e import compare, planning, report, runs
+from specgate.contract import summary as contract
+from specgate.core import manifest as m
+from specgate.sessions import pytestrun
+from specgate.sessions.e2e import compare, planning, report, runs
+from specgate.vllmside import engine, knownanswer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -369,7 +370,7 @@ def _session(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_"))}
     env.update(SPECGATE_ARTIFACTS=str(tmp_path / "artifacts"), HF_HUB_CACHE=str(tmp_path / "empty-hub"),
                HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "specgate.e2e", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "specgate.sessions.e2e", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -1,4 +1,4 @@
-"""The engine host (specgate.engine.main): vLLM imported once, engines in forked children."""
+"""The engine host (specgate.vllmside.engine.main): vLLM imported once, engines in forked children."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specgate import engine
+from specgate.vllmside import engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once
     request, result = tmp_path / "request.json", tmp_path / "result.json"
     runs = [_run("a", str(tmp_path / "no-such-model-a")), _run("b", str(tmp_path / "no-such-model-b"))]
     request.write_text(json.dumps(runs))
-    code = ("import os, sys\nimport specgate.engine as engine\ncode = engine.main(sys.argv[1:])\n"
+    code = ("import os, sys\nimport specgate.vllmside.engine as engine\ncode = engine.main(sys.argv[1:])\n"
             "print('host', os.getpid(), code)")
     out = subprocess.run([sys.executable, "-c", code, str(request), str(result)], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
@@ -71,7 +71,7 @@ def test_the_host_has_vllm_inspect_later_engines_models_while_the_first_runs(tmp
     background, the MTP draft under the name vLLM gives it, and leaves the first run's
     classes to its own engine. Both engines here fail before vLLM looks at a model class,
     so only the host's thread can have asked."""
-    from specgate.fixtures import _mimo_config
+    from specgate.vllmside.fixtures import _mimo_config
 
     mimo = tmp_path / "mimo"
     _mimo_config().save_pretrained(mimo)

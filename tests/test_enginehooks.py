@@ -1,4 +1,4 @@
-"""The engine-process hooks of the sampling checks (specgate.enginehooks), on the real vLLM
+"""The engine-process hooks of the sampling checks (specgate.vllmside.enginehooks), on the real vLLM
 CPU ops: the released expand shim shows vLLM #55005 (a float32 or int32 output stays
 untouched), the repair fills the caller's tensor as vLLM's Triton kernel would, and only while
 an engine asked for it."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 import wheels
 
-from specgate import enginehooks
+from specgate.vllmside import enginehooks
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from specgate import artifacts, envpin, pytestrun
-from specgate.manifest import load
-from specgate.secrets import MASK
+from specgate.contract import artifacts
+from specgate.core import envpin
+from specgate.core.manifest import load
+from specgate.core.secrets import MASK
+from specgate.sessions import pytestrun
 
 REPO = Path(__file__).resolve().parent.parent
 SESSIONS = ["tests", "warm_cache", "cpu_unit", "cpu_e2e"]
@@ -29,7 +31,7 @@ def test_dump():
 
 def _run_session_pytest(tmp_path: Path, session: str, extra: dict[str, str | None] | None = None):
     """Run a real pytest child the way a session module does: nox's env (outer env plus the
-    manifest's pins, None removing) and then specgate.pytestrun with the envcheck plugin."""
+    manifest's pins, None removing) and then specgate.sessions.pytestrun with the envcheck plugin."""
     manifest = load()
     (tmp_path / "test_dump.py").write_text(DUMP_ENV_TEST)
     outer = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")} | HOSTILE
@@ -38,8 +40,9 @@ def _run_session_pytest(tmp_path: Path, session: str, extra: dict[str, str | Non
                 "DUMP_TO": str(tmp_path / "env.json"), "PYTHONPATH": str(REPO)}
     for key, value in (extra or {}).items():
         nox_env.pop(key, None) if value is None else nox_env.__setitem__(key, value)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "specgate.envcheck", "-q", "-p", "no:cacheprovider",
-                           str(tmp_path / "test_dump.py")], cwd=tmp_path, env=nox_env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "specgate.sessions.envcheck", "-q",
+                           "-p", "no:cacheprovider", str(tmp_path / "test_dump.py")],
+                          cwd=tmp_path, env=nox_env, capture_output=True, text=True)
     return manifest, proc
 
 

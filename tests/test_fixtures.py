@@ -20,11 +20,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specgate import fixtures, knownanswer
-from specgate.fixtures import EOS_ID, MASK_ID, VOCAB
-from specgate.manifest import REPO_ROOT, Fixture, load
+from specgate.core.manifest import REPO_ROOT, Fixture, load
+from specgate.vllmside import fixtures, knownanswer
+from specgate.vllmside.fixtures import EOS_ID, MASK_ID, VOCAB
 
-CLI = [sys.executable, "-m", "specgate.fixtures"]
+CLI = [sys.executable, "-m", "specgate.vllmside.fixtures"]
 
 
 def _cli(cache: Path, *args: str) -> subprocess.CompletedProcess:
@@ -132,8 +132,8 @@ def test_cli_rejects_an_unknown_name_with_exit_2(command, tmp_path):
 CHILD = """
 import os, sys, time
 from pathlib import Path
-from specgate import fixtures, knownanswer
-from specgate.manifest import load
+from specgate.vllmside import fixtures, knownanswer
+from specgate.core.manifest import load
 kind, log, start, hold = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
 real = fixtures.FIXTURE_KINDS[kind]
 def counted(params):

@@ -1,4 +1,4 @@
-"""`nox -s gate` (specgate.gate) on synthetic histories of cpu_unit and cpu_e2e summaries
+"""`nox -s gate` (specgate.sessions.gate) on synthetic histories of cpu_unit and cpu_e2e summaries
 (tests/histories.py: schema-checked as built, passing the real manifest's coverage floors
 unless a test says otherwise)."""
 
@@ -13,7 +13,10 @@ import jsonschema
 import pytest
 from histories import NGRAM, VERSION, build, clean_history, entry, job, passing, vllm_build, write_history
 
-from specgate import gate, manifest, pytestrun, summary
+from specgate.contract import summary
+from specgate.core import manifest
+from specgate.sessions import pytestrun
+from specgate.sessions.gate import session as gate
 
 REPO = Path(__file__).resolve().parent.parent
 GATE = manifest.load().gate
@@ -274,7 +277,7 @@ def test_other_sessions_are_ignored(tmp_path, capsys):
 
 
 def test_the_gate_reads_what_the_sessions_write(tmp_path, capsys, monkeypatch, artifacts_root):
-    """Summaries from specgate.summary itself, under Buildkite's job variables."""
+    """Summaries from specgate.contract.summary itself, under Buildkite's job variables."""
     history = tmp_path / "history"
     for number in range(1, 6):
         for shard in range(2):
@@ -352,10 +355,10 @@ def test_bad_options_exit_2(capsys, args, message):
 
 
 def test_a_fresh_clone_has_no_history_which_is_not_enough_evidence(tmp_path):
-    """`python -m specgate.gate` as `nox -s gate` runs it, with the default (absent) history."""
+    """`python -m specgate.sessions.gate` as `nox -s gate` runs it, with the default (absent) history."""
     root = tmp_path / "fresh" / "artifacts"
     env = {"SPECGATE_ARTIFACTS": str(root), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "specgate.gate"], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.gate"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr

@@ -16,7 +16,7 @@ PROBE = '''
 import os
 from pathlib import Path
 
-from specgate.paths import cache_root
+from specgate.core.paths import cache_root
 
 
 def test_probe():
@@ -63,7 +63,7 @@ def test_a_write_into_the_real_cache_fails_the_run_and_names_the_path(tmp_path):
 
 def test_this_run_is_hermetic():
     """This very run: its harness cache and HF home are the temporary ones."""
-    from specgate.paths import cache_root
+    from specgate.core.paths import cache_root
 
     home = Path(os.environ[HERMETIC_VAR])
     assert cache_root() == home / "specgate" and os.environ["XDG_CACHE_HOME"] == str(home)

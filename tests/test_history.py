@@ -1,4 +1,4 @@
-"""Where the history lives (specgate.history, specgate.buildkite): a folder, or Buildkite's
+"""Where the history lives (specgate.ciside.history, specgate.ciside.buildkite): a folder, or Buildkite's
 REST API served by a real local server with the documented response shapes (tests/buildkiteserver.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from buildkiteserver import Build, BuildkiteServer, Job, pipeline_of
 from histories import build, clean_history, job, write_history
 from hubserver import closed_endpoint
 
-from specgate import buildkite, gate
+from specgate.ciside import buildkite
+from specgate.sessions.gate import session as gate
 
 TOKEN = "bkua_0123456789abcdef0123456789abcdef01234567"
 ORG, PIPELINE = "acme", "specgate"

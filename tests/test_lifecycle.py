@@ -1,4 +1,4 @@
-"""The one session lifecycle (specgate.lifecycle) in real processes, with real signals:
+"""The one session lifecycle (specgate.sessions.lifecycle) in real processes, with real signals:
 a summary that is never stale, never half-written and always says how the run ended."""
 
 from __future__ import annotations
@@ -15,14 +15,17 @@ import psutil
 import pytest
 from contract import read_valid
 
-from specgate import cli, exitcodes, summary
+from specgate.contract import exitcodes, summary
+from specgate.core import cli
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "hf_PLANTEDlifecycle0123456789"
 # A session module in miniature: the real lifecycle around a step chosen by argv[1].
 SESSION = '''
 import subprocess, sys, time
-from specgate import artifacts, cli, lifecycle
+from specgate.contract import artifacts
+from specgate.core import cli
+from specgate.sessions import lifecycle
 
 def step(ctx):
     what = ctx.args.what

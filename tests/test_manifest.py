@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specgate import manifest as m
+from specgate.core import manifest as m
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def test_session_env_values_live_only_in_the_manifest():
     """Upstream set VLLM_CPU_KVCACHE_SPACE in two places with two values; here no Python
     file under specgate/ may carry a pinned value of its own."""
     manifest = m.load()
-    sources = "\n".join(p.read_text() for p in (REPO / "specgate").glob("*.py"))
+    sources = "\n".join(p.read_text() for p in (REPO / "specgate").rglob("*.py"))
     for name in manifest.managed_env_names():
         assert not re.search(rf"""["']{name}["']\s*[:=]\s*["']""", sources), f"{name} is assigned outside the manifest"
 
@@ -119,8 +119,8 @@ def test_a_coverage_table_without_files_is_rejected(tmp_path):
 def test_session_with_malformed_manifest_exits_2_with_one_line(tmp_path):
     path = tmp_path / "manifest.toml"
     path.write_text(_base().replace("schema = 1", "schema = 7"))
-    proc = subprocess.run([sys.executable, "-m", "specgate.selftest"], cwd=REPO, capture_output=True, text=True,
-                          env={**_env(), "SPECGATE_MANIFEST": str(path)})
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.selftest"], cwd=REPO, capture_output=True,
+                          text=True, env={**_env(), "SPECGATE_MANIFEST": str(path)})
     assert proc.returncode == 2
     lines = proc.stdout.strip().splitlines()
     errors = [line for line in lines if line.startswith("error:")]

@@ -16,8 +16,9 @@ import pytest
 import torch
 from contract import VALIDATOR, read_valid
 
-from specgate.manifest import REPO_ROOT
-from specgate.mutants import MUTANT_VAR, catalogue, session
+from specgate.core.manifest import REPO_ROOT
+from specgate.sessions.mutants import MUTANT_VAR, session
+from specgate.vllmside import catalogue
 
 
 def test_catalogue_entries_are_named_and_explained_in_one_line():
@@ -55,7 +56,7 @@ SAMPLING = list(PATCHED)[8:]          # the random-sampling (temperature > 0) mu
 
 PROBE = """
 import importlib, json, sys
-from specgate.mutants import catalogue
+from specgate.vllmside import catalogue
 replaced = {}
 for name, (module, path) in json.loads(sys.argv[1]).items():
     def get():
@@ -73,7 +74,7 @@ print(json.dumps({"replaced": replaced, "llvmlite": "llvmlite" in sys.modules}))
 def test_each_mutant_replaces_the_vllm_function_it_names_and_loads_no_numba():
     """In a fresh process (as in the engine child): each named function exists in the installed
     vLLM and install() replaces it; installing every mutant loads no llvmlite (numba), after
-    which vLLM 0.32 CPU could not start an engine (specgate.engine). One process, one vLLM import."""
+    which vLLM 0.32 CPU could not start an engine (specgate.vllmside.engine). One process, one vLLM import."""
     assert set(PATCHED) == set(catalogue.MUTANTS)
     assert {name: catalogue.MUTANTS[name].patches[0] for name in PATCHED} == {
         name: f"{module}:{path}" for name, (module, path) in PATCHED.items()}   # what moved() looks for
@@ -147,7 +148,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from specgate.mutants import catalogue
+from specgate.vllmside import catalogue
 
 
 def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
@@ -398,9 +399,9 @@ def test_draws_for_undrafted_takes_one_draw_from_a_request_without_drafts(sampli
 
 CHILD = """
 import sys
-import specgate.engine as engine
+import specgate.vllmside.engine as engine
 engine.main(sys.argv[1:])
-print("catalogue-loaded" if "specgate.mutants.catalogue" in sys.modules else "catalogue-absent")
+print("catalogue-loaded" if "specgate.vllmside.catalogue" in sys.modules else "catalogue-absent")
 """
 
 
@@ -476,14 +477,14 @@ def test_a_control_seed_set_with_a_false_alarm_is_a_failed_entry_naming_the_chec
         assert not list(VALIDATOR.evolve(schema=schema).iter_errors(entry))
 
 
-TIMEOUT_REASON = ("specgate.engine.EngineProcessError: EngineProcessError: engine process timed out (600 s per "
-                  "engine) and was killed")   # what cpu_e2e's rows say when the host kills a slow engine
+TIMEOUT_REASON = ("specgate.vllmside.engine.EngineProcessError: EngineProcessError: engine process timed out "
+                  "(600 s per engine) and was killed")   # what cpu_e2e's rows say when the host kills a slow engine
 
 
 def test_a_check_that_lost_its_engine_to_the_timeout_is_neither_a_kill_nor_a_false_alarm():
     """Measured here: two sessions beside a third on 2 cores slowed an eagle3 engine past 600 s,
     and every check on it 'failed'. Load is no kill, and no false alarm either."""
-    from specgate import engine
+    from specgate.vllmside import engine
 
     assert engine.TIMED_OUT in TIMEOUT_REASON
     rows = [{"nodeid": "t::test_sampling_distribution[eagle3-v1/greedy]", "outcome": "failed",
@@ -514,7 +515,7 @@ def test_a_mutant_whose_patched_function_moved_says_so_and_is_never_a_kill():
 
 def test_every_mutant_fits_the_pinned_vllm():
     """What the mutants session asks the build under test before it runs a mutant."""
-    out = subprocess.run([sys.executable, "-m", "specgate.mutants.catalogue", *catalogue.MUTANTS], cwd=REPO_ROOT,
+    out = subprocess.run([sys.executable, "-m", "specgate.vllmside.catalogue", *catalogue.MUTANTS], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == dict.fromkeys(catalogue.MUTANTS)
@@ -538,7 +539,7 @@ def test_each_mutants_checks_select_the_checks_meant_to_score_it():
 @pytest.mark.parametrize("value", ["0", "many"])
 def test_a_seed_set_count_below_one_is_one_line_of_bad_input(tmp_path, value):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_"))}
-    proc = subprocess.run([sys.executable, "-m", "specgate.mutants", "--seed-sets", value], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.mutants", "--seed-sets", value], cwd=REPO_ROOT,
                           env={**env, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -14,7 +14,7 @@ NOXFILE = f'''
 import sys
 sys.path.insert(0, {str(REPO)!r})
 import nox
-from specgate import noxsupport
+from specgate.sessions import noxsupport
 
 def ending(code):
     def session(session):

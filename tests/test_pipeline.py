@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pipelines import commands, glob_regex, interpolated, validate_for_buildkite
 
-from specgate import summary as contract
+from specgate.contract import summary as contract
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = REPO / ".buildkite" / "pipeline.yml"
@@ -94,7 +94,7 @@ def test_every_named_session_exists_in_the_noxfile(steps):
 
 def test_each_step_timeout_is_the_gate_budget_in_the_manifest(steps):
     """One value, two readers: the wrapper's timeout and the gate's wall-time budget."""
-    from specgate.manifest import load
+    from specgate.core.manifest import load
 
     units = {"s": 1, "m": 60, "h": 3600}
     budgets = load().gate.budget_s
@@ -198,7 +198,7 @@ NAMED = ("vLLM 0.32.1.dev12+g0a1b2c3d (vllm-0.32.1.dev12+g0a1b2c3d-cp38-abi3-lin
 
 @pytest.fixture
 def write_summary(tmp_path, monkeypatch):
-    """Write artifacts/<session>/summary.json through specgate.summary, as a session does,
+    """Write artifacts/<session>/summary.json through specgate.contract.summary, as a session does,
     and check it against the contract's schema. Returns the artifacts folder's path."""
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path / "artifacts"))
     validator = jsonschema.Draft202012Validator(contract.load_schema())

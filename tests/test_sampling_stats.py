@@ -1,4 +1,4 @@
-"""The statistics behind the sampling checks (specgate.e2e.sampling), without vLLM.
+"""The statistics behind the sampling checks (specgate.sessions.e2e.sampling), without vLLM.
 
 The design's distribution is restated here in numpy the way vLLM's sampler computes it, a
 correct speculative sampler (Leviathan et al. 2023) runs in numpy on the designed target with
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from specgate import knownanswer
-from specgate.e2e import sampling
+from specgate.sessions.e2e import sampling
+from specgate.vllmside import knownanswer
 
 LOGITS = (24.0, 23.5, 23.0, 22.5)            # the *-spread fixtures' answer_logits
 VOCAB = 512

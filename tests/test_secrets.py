@@ -1,4 +1,4 @@
-"""Secrets are values, not names: specgate.secrets masks credentials and leaves settings alone."""
+"""Secrets are values, not names: specgate.core.secrets masks credentials and leaves settings alone."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from specgate import secrets
-from specgate.secrets import MASK
+from specgate.core import secrets
+from specgate.core.secrets import MASK
 
 TOKEN = "hf_PLANTEDsecretVALUE0123456789"
 AGENT = {
@@ -86,6 +86,6 @@ def test_masked_env_for_banners():
 
 
 def test_the_command_line_filter_used_by_the_wrapper():
-    out = subprocess.run([sys.executable, "-m", "specgate.secrets"], input=f"HF_TOKEN={TOKEN} key=cpu_unit\n",
+    out = subprocess.run([sys.executable, "-m", "specgate.core.secrets"], input=f"HF_TOKEN={TOKEN} key=cpu_unit\n",
                          capture_output=True, text=True, env={**AGENT}, check=True).stdout
     assert out == f"HF_TOKEN={MASK} key=cpu_unit\n"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from hubserver import ConnectionGuard, HubServer, Repo, hf_env, write_manifest
 
-from specgate import sources
-from specgate.cli import BadInput
-from specgate.manifest import load
+from specgate.core.cli import BadInput
+from specgate.core.manifest import load
+from specgate.vllmside import sources
 
 REPO_ID = "acme/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

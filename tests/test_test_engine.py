@@ -1,4 +1,4 @@
-"""Buildkite Test Engine: the sessions' pytest runs (specgate.pytestrun.run_pytest) load the
+"""Buildkite Test Engine: the sessions' pytest runs (specgate.sessions.pytestrun.run_pytest) load the
 official collector when BUILDKITE_ANALYTICS_TOKEN is set, and nothing changes without it. The
 collector uploads to a real local server ($BUILDKITE_ANALYTICS_API_URL), never to Buildkite."""
 
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from localserver import LocalServer
 
-from specgate import pytestrun
+from specgate.sessions import pytestrun
 
 TOKEN = "bkta_0123456789abcdef0123456789abcdef"
 PROBE = """

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from specgate import torchprobe
+from specgate.core import torchprobe
 
 
 def _package(root, name, body):

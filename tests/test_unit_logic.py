@@ -1,7 +1,7 @@
 """cpu_unit's logic: causes for every non-pass, exit codes, attempts, redirects and the summary.
 
 Results come from real pytest runs over small crafted test files; the end-to-end run
-drives `python -m specgate.unit` over a crafted vLLM checkout, with a cache miss
+drives `python -m specgate.sessions.unit` over a crafted vLLM checkout, with a cache miss
 fixed online by tests/hubserver.py. No vLLM engine starts.
 """
 
@@ -18,8 +18,11 @@ import pytest
 from contract import read_valid
 from hubserver import HubServer, Repo, hf_env
 
-from specgate import envpin, pytestrun, summary, unit
-from specgate.manifest import REPO_ROOT, Redirect, load
+from specgate.contract import summary
+from specgate.core import envpin
+from specgate.core.manifest import REPO_ROOT, Redirect, load
+from specgate.sessions import pytestrun
+from specgate.sessions.unit import session as unit
 
 REPO_ID = "acme/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -290,7 +293,7 @@ def test_session_end_to_end_over_a_crafted_checkout(tmp_path):
         env = hf_env(hub.endpoint, tmp_path / "hf", SPECGATE_ARTIFACTS=str(tmp_path / "artifacts"),
                      SPECGATE_CACHE_DIR=str(tmp_path / "cache"), VLLM_MODEL_REDIRECT_PATH=str(user_redirect))
         env.pop("SPECGATE_SESSION", None)
-        proc = subprocess.run([sys.executable, "-m", "specgate.unit", "--vllm-source-dir", str(checkout),
+        proc = subprocess.run([sys.executable, "-m", "specgate.sessions.unit", "--vllm-source-dir", str(checkout),
                                "--model-source", "auto"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                               check=False)
         online_requests = hub.total_requests()
@@ -316,7 +319,7 @@ def _session(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, d
     env = hf_env("http://127.0.0.1:9", tmp_path / "hf", SPECGATE_ARTIFACTS=str(tmp_path / "artifacts"),
                  SPECGATE_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("SPECGATE_SESSION", None)
-    proc = subprocess.run([sys.executable, "-m", "specgate.unit", *args], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.unit", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, check=False)
     summary = tmp_path / "artifacts" / "cpu_unit" / "summary.json"
     return proc, read_valid(summary) if summary.is_file() else None

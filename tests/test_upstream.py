@@ -1,4 +1,4 @@
-"""The upstream test tree and its pipeline file list (specgate.upstream).
+"""The upstream test tree and its pipeline file list (specgate.vllmside.upstream).
 
 The sdist tests serve a small fake vLLM sdist from a real HTTP index on 127.0.0.1;
 nothing here downloads the real 44 MB sdist or imports vLLM.
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from localserver import LocalServer
 
-from specgate import upstream
-from specgate.manifest import load
+from specgate.core.manifest import load
+from specgate.vllmside import upstream
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC_STEP = "cpu-spec-decode-tests"
@@ -346,7 +346,7 @@ def test_a_damaged_tree_with_the_index_unreachable_is_75_and_removed(cache, inde
     assert sorted(p.name for p in cache.iterdir()) == ["vllm-9.9.9.lock"]    # nothing damaged left for the next job
 
 
-FETCH = "import sys; from specgate import upstream; upstream.fetch_tree('9.9.9', sys.argv[1])"
+FETCH = "import sys; from specgate.vllmside import upstream; upstream.fetch_tree('9.9.9', sys.argv[1])"
 
 
 def test_sigkill_mid_extract_leaves_no_tree_and_the_next_fetch_cleans_up(cache, index):
@@ -425,6 +425,6 @@ def test_a_development_build_with_no_release_before_it_is_75(cache, index):
 
 def test_the_vllm_side_pipelines_trigger_list_is_upstreams_own(real_pipeline):
     """.buildkite/vllm/pipeline.yml's if_changed starts from this list (tests/test_vllm_pipeline.py)."""
-    from specgate import vllmpaths
+    from specgate.ciside import vllmpaths
 
     assert vllmpaths.upstream_dependencies(real_pipeline.read_text()) == list(vllmpaths.UPSTREAM_DEPENDENCIES_0_32)

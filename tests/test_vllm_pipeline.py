@@ -1,5 +1,5 @@
 """The pipeline for vLLM's own CI (.buildkite/vllm/pipeline.yml): valid for Buildkite's schema,
-triggered by specgate.vllmpaths' globs (which cover every file a mutant patches), wired for
+triggered by specgate.ciside.vllmpaths' globs (which cover every file a mutant patches), wired for
 both builds under test (a wheel artifact, vLLM's CPU test image), and shaped like specgate's
 own pipeline: the wrapper, the annotation, soft_fail on 75 only."""
 
@@ -15,8 +15,8 @@ import pytest
 import yaml
 from pipelines import commands, glob_regex, interpolated, validate_for_buildkite
 
-from specgate import vllmpaths
-from specgate.mutants import catalogue
+from specgate.ciside import vllmpaths
+from specgate.vllmside import catalogue
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = REPO / ".buildkite" / "vllm" / "pipeline.yml"
@@ -159,7 +159,7 @@ def test_every_named_session_exists_in_the_noxfile(steps):
 
 
 def test_each_step_timeout_is_the_gate_budget_in_the_manifest(steps):
-    from specgate.manifest import load
+    from specgate.core.manifest import load
 
     units = {"s": 1, "m": 60, "h": 3600}
     budgets = load().gate.budget_s

@@ -17,10 +17,13 @@ import pytest
 from contract import read_valid
 from hubserver import ConnectionGuard, HubServer, Repo, closed_endpoint, hf_env, write_manifest
 
-from specgate import cli, envpin, fixtures, pytestrun, sources, warm
-from specgate.manifest import REPO_ROOT, load
-from specgate.summary import begin as begin_record
-from specgate.summary import finish as finish_record
+from specgate.contract.summary import begin as begin_record
+from specgate.contract.summary import finish as finish_record
+from specgate.core import cli, envpin
+from specgate.core.manifest import REPO_ROOT, load
+from specgate.sessions import pytestrun
+from specgate.sessions.warm import session as warm
+from specgate.vllmside import fixtures, sources
 
 REPO_ID = "acme/tiny-model"
 OTHER_ID = "acme/unit-only"
@@ -30,7 +33,8 @@ MODEL = os.urandom(1_000_000)
 FILES = {"config.json": b'{"model_type": "qwen3"}', "tokenizer.json": b'{"v": 1}' * 100, "model.safetensors": MODEL}
 SUMMARY_KEYS = {"session", "model_mode", "suites", "checkpoints", "fixtures", "env", "exit_code", "finished_at"}
 # One warm_cache run on a given manifest and model source, in its own process.
-RUN = ("import sys; from specgate import summary, warm; from specgate.manifest import load; "
+RUN = ("import sys; from specgate.sessions.warm import session as warm; from specgate.contract import summary; "
+       "from specgate.core.manifest import load; "
        "r = summary.begin('warm_cache'); c = warm.run(load(sys.argv[1]), None, sys.argv[2], r, backoff_s=0.05); "
        "summary.finish(r, c); sys.exit(c)")
 
@@ -243,7 +247,7 @@ def test_suites_select_checkpoints_and_unknown_suite_exits_2(case, hub, capsys):
 
 
 def test_cli_unknown_suite_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--suites", "nosuch"], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.warm", "--suites", "nosuch"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert [line for line in proc.stdout.splitlines() if line.startswith("error:")] == [
@@ -278,8 +282,8 @@ def test_cli_hub_mode_on_the_real_manifest_without_a_hub_exits_75(tmp_path):
     """The real entry point and manifest, as `nox -s warm_cache -- --model-source hub` runs
     it on a machine where the hub cannot be reached."""
     env = hf_env(closed_endpoint(), tmp_path / "home", HF_HUB_OFFLINE="1", SPECGATE_ARTIFACTS=str(tmp_path / "a"))
-    proc = subprocess.run([sys.executable, "-m", "specgate.warm", "--model-source", "hub", "--suites", "cpu_unit"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.warm", "--model-source", "hub",
+                           "--suites", "cpu_unit"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 75, proc.stdout + proc.stderr
     expected = [c.repo_id for c in load().checkpoints_for(["cpu_unit"])]
     missing = [line for line in proc.stdout.splitlines() if line.startswith("missing: ")]

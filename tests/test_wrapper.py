@@ -298,7 +298,7 @@ def test_bad_input_exits_2_with_one_line(args, env, message):
 
 
 def test_the_echoed_command_masks_credential_values_not_names(tmp_path):
-    """The sessions' rule (specgate.secrets): HF_TOKEN's value and a URL's user:password
+    """The sessions' rule (specgate.core.secrets): HF_TOKEN's value and a URL's user:password
     are masked; a value merely held by a variable named *KEY* or *TOKEN* is not."""
     token = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"
     command = f"true {token} https://ci:hunter22@pypi.example/simple -s cpu_unit --flag=false"

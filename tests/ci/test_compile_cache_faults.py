@@ -13,7 +13,7 @@ from pathlib import Path
 
 from contract import read_valid
 
-from specgate import compilecache
+from specgate.vllmside import compilecache
 
 REPO = Path(__file__).resolve().parents[2]
 SELECTED = "test_known_answer_baseline and context-qwen3"
@@ -23,7 +23,7 @@ def e2e(tmp_path: Path, compile_root: Path, name: str) -> tuple[subprocess.Compl
     artifacts = tmp_path / name
     env = {**os.environ, compilecache.ROOT_VAR: str(compile_root), "SPECGATE_ARTIFACTS": str(artifacts),
            "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "specgate.e2e", "--model-source", "fixture", "-k", SELECTED],
+    proc = subprocess.run([sys.executable, "-m", "specgate.sessions.e2e", "--model-source", "fixture", "-k", SELECTED],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     read_valid(artifacts / "cpu_e2e" / "summary.json")
     records = [json.loads(line) for line in (artifacts / "cpu_e2e" / "records.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """Engine tests of `nox -s cpu_e2e`: the plan, one engine at a time, and what the tests record.
 
 Engine starts dominate the session's time, so every engine (a target, a speculative
-configuration and the prompt set its target calls for, see specgate.e2e.runs.Run) starts
+configuration and the prompt set its target calls for, see specgate.sessions.e2e.runs.Run) starts
 once per session, in a process of its own that exits (freeing everything) before the
 next one starts: it generates every prompt of its set and its measurements are kept.
 Tests that need the same engine share its results.
@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-from specgate import build, cli, engine, pytestrun
-from specgate.e2e import compare, planning, report, runs
-from specgate.manifest import load
+from specgate.core import build, cli
+from specgate.core.manifest import load
+from specgate.sessions import pytestrun
+from specgate.sessions.e2e import compare, planning, report, runs
+from specgate.vllmside import engine
 
 MANIFEST = load()
 PLANNED = planning.planned_ids(os.environ.get(planning.PLAN_VAR))
@@ -32,7 +34,7 @@ CONFIGS = [c for c in MANIFEST.e2e if PLANNED is None or c.id in PLANNED]
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "configs(test): parametrize `config_id` with the configs "
-                                       "specgate.e2e.runs.SELECTORS[test] picks")
+                                       "specgate.sessions.e2e.runs.SELECTORS[test] picks")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -171,7 +173,7 @@ class Result:
 class Engines:
     """Runs every engine the selected tests need once, one at a time: when a test first
     needs an engine, every pending engine runs, in as few processes as possible
-    (specgate.engine.run_engines), in specgate.e2e.runs.process_order."""
+    (specgate.vllmside.engine.run_engines), in specgate.sessions.e2e.runs.process_order."""
 
     def __init__(self, settings: planning.Settings, recorder: report.Recorder, workdir: Path,
                  pending: list[runs.Run], expected_to_fail: set[str], only_v2: set[str]) -> None:
@@ -195,7 +197,7 @@ class Engines:
         return self.blocked.get(run.key)
 
     def v2_blocker(self) -> str | None:
-        """Why vLLM picks the V1 runner here (specgate.engine.v2_runner_blocker), from the
+        """Why vLLM picks the V1 runner here (specgate.vllmside.engine.v2_runner_blocker), from the
         engine host, which starts now for the pending engines if none has answered yet."""
         if not self.answered and self.pending:
             self._generate(self._take_pending())

@@ -1,10 +1,10 @@
 """Speculative sampling at temperature > 0 through real vLLM engines, against an exact oracle
-(specgate.e2e.sampling: the theorem that speculation leaves the target's distribution
+(specgate.sessions.e2e.sampling: the theorem that speculation leaves the target's distribution
 unchanged, on targets whose distribution is known at every position).
 
 Each case is a config with a [sampling] table and a draft sample method. On a vLLM version the
 manifest declares to have vLLM #55005 ([e2e.sampling.known_defect]), the case's engines run
-with the runtime repair (specgate.enginehooks), so the checks still show what they catch, and
+with the runtime repair (specgate.vllmside.enginehooks), so the checks still show what they catch, and
 test_sampling_release runs the release as built: a strict xfail citing the issue, which fails
 loudly the day a build no longer has the defect. Every row records its statistics.
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 from test_spec_decode import _generate, _raise_as_declared, expect_declared_defect
 
-from specgate import build, knownanswer
-from specgate.e2e import compare, report, runs, sampling
+from specgate.core import build
+from specgate.sessions.e2e import compare, report, runs, sampling
+from specgate.vllmside import knownanswer
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ import builtins
 
 import pytest
 
-from specgate import engine, knownanswer
-from specgate.e2e import compare, report, runs
+from specgate.sessions.e2e import compare, report, runs
+from specgate.vllmside import engine, knownanswer
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,1 @@
+"""`nox -s bench`: the session is specgate.sessions.bench.session."""

@@ -1,0 +1,1 @@
+"""`nox -s cache`: the session is specgate.sessions.caches.session."""

@@ -1,0 +1,1 @@
+"""`nox -s gate`: the session is specgate.sessions.gate.session."""

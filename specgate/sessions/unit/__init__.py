@@ -1,0 +1,1 @@
+"""`nox -s cpu_unit`: the session is specgate.sessions.unit.session."""

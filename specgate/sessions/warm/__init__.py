@@ -1,0 +1,1 @@
+"""`nox -s warm_cache`: the session is specgate.sessions.warm.session."""

