@@ -209,3 +209,22 @@ def test_a_venv_whose_torch_lost_or_changed_a_file_is_damaged_and_says_which(tmp
     assert buildenv.damage(venv) == (["torch"], f"torch/ops.py has 10 bytes, {len(OPS)} when installed")
     (site / "torch" / "__init__.py").unlink()
     assert buildenv.damage(venv)[1] == "torch/__init__.py is missing"
+
+
+def test_verified_stamps_skip_what_still_fits_and_never_fail_a_check(tmp_path):
+    """What hubcheck and buildenv keep between full checks: a stamp that fits is not hashed
+    again; an unreadable record means hashing everything, an unwritable one hashing again."""
+    record = tmp_path / "verified.json"
+    stamps = build.VerifiedStamps(record)
+    assert not stamps.fits("a", [1, 2])
+    stamps.matched("a", [1, 2])
+    stamps.save()
+    again = build.VerifiedStamps(record)
+    assert again.fits("a", [1, 2]) and not again.fits("a", [1, 3]) and not again.fits("b", [1, 2])
+    record.write_text("{half a rec")
+    assert not build.VerifiedStamps(record).fits("a", [1, 2])
+    (tmp_path / "a-file").write_text("")
+    blocked = build.VerifiedStamps(tmp_path / "a-file" / "verified.json")    # its folder cannot exist
+    blocked.matched("a", [1, 2])
+    blocked.save()
+    assert not list(tmp_path.glob("a-file*/*"))

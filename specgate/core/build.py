@@ -24,6 +24,7 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from email.parser import Parser
 from pathlib import Path
@@ -144,6 +145,40 @@ def identity(source: str, file: str | None, sha256: str, *, distribution: str, v
 
 def sha256_of(path: Path) -> str:
     return hash_file(path, hashlib.sha256())
+
+
+class VerifiedStamps:
+    """Which files matched their digest last time, each with the stat stamp it had then (e.g.
+    [size, mtime_ns]), kept in one JSON file: a file whose stamp still fits is not hashed again,
+    so a warm full check is a stat per file. An unreadable file means hashing everything; one
+    that cannot be written (e.g. a full disk) only means hashing again next time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.before: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            self.before = {}
+        self.now: dict[str, Any] = {}
+
+    def fits(self, name: str, stamp: list[int]) -> bool:
+        return self.before.get(name) == stamp
+
+    def matched(self, name: str, stamp: list[int]) -> None:
+        self.now[name] = stamp
+
+    def save(self) -> None:
+        """Record what matched this time (only when that changed), atomically."""
+        if self.now == self.before:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.now), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError:
+            with suppress(OSError):
+                tmp.unlink()
 
 
 def hash_file(path: Path, digest: Any) -> str:

@@ -17,7 +17,6 @@ Runs in nox's interpreter: stdlib and nox only.
 from __future__ import annotations
 
 import base64
-import contextlib
 import csv
 import fcntl
 import hashlib
@@ -129,11 +128,7 @@ def damage(venv: Path, *, full: bool = False) -> tuple[list[str], str] | None:
     where the file changed since it last matched, so a warm full check is a stat too):
     ([the damaged distributions], the first damaged file of each and why)."""
     site = _site_packages(venv)
-    try:
-        verified = json.loads((venv / VERIFIED).read_text()) if full else {}
-    except (OSError, ValueError):
-        verified = {}
-    matched: dict[str, list[int]] = {}
+    stamps = build.VerifiedStamps(venv / VERIFIED)
     found: dict[str, str] = {}
     for record in sorted(site.glob("*.dist-info/RECORD")):
         name = _canonical(record.parent.name.removesuffix(".dist-info").rsplit("-", 1)[0])
@@ -150,14 +145,13 @@ def damage(venv: Path, *, full: bool = False) -> tuple[list[str], str] | None:
                     found[name] = f"{path} has {st.st_size} bytes, {size} when installed"
                     break
                 stamp = [st.st_size, st.st_mtime_ns]
-                if full and verified.get(path) != stamp and not _hash_matches(site / path, hashed):
+                if full and not stamps.fits(path, stamp) and not _hash_matches(site / path, hashed):
                     found[name] = f"{path} does not match the hash its installer recorded"
                     break
                 if full:
-                    matched[path] = stamp
-    if full and matched != verified:
-        with contextlib.suppress(OSError):     # no stamp only means hashing again next time
-            (venv / VERIFIED).write_text(json.dumps(matched))
+                    stamps.matched(path, stamp)
+    if full:
+        stamps.save()
     return (sorted(found), "; ".join(found.values())) if found else None
 
 

@@ -2,29 +2,27 @@
 
 huggingface_hub records each snapshot's file listing (get_cached_repo_tree: sizes and git blob
 ids) and stores a file's bytes as a blob named by its etag: an LFS file's sha256, any other
-file's git blob id. specgate.vllmside.sources counts a snapshot complete when every listed file has its
-listed size; this reads the bytes: an LFS blob against the sha256 its name carries, any other
-file against its listed blob id. (A cache made without symlinks holds copies with no such
-name; their sizes are all that is checked.) Hashing gigabytes on every
-warm_cache would break its warm no-op, so a file that matched once is stamped (size, mtime and
-inode of its blob) and hashed again only when the stamp no longer fits: a truncated,
-rewritten or replaced blob changes it. The stamps sit beside warm_cache's download locks
-(<hub cache>/.locks/specgate/), where huggingface_hub's own cache scan does not look.
+file's git blob id. specgate.vllmside.sources counts a snapshot complete when every listed
+file has its listed size; this reads the bytes: an LFS blob against the sha256 its name
+carries, any other file against its listed blob id. (A cache made without symlinks holds
+copies with no such name; their sizes are all that is checked.)
+
+Hashing gigabytes on every warm_cache would break its warm no-op, so a file that matched once
+is stamped (size, mtime and inode of its blob; build.VerifiedStamps) and hashed again only
+when the stamp no longer fits: a truncated, rewritten or replaced blob changes it. The stamps
+sit beside warm_cache's download locks (<hub cache>/.locks/specgate/), where huggingface_hub's
+own cache scan does not look.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections.abc import Iterable
-from contextlib import suppress
 from pathlib import Path
-from typing import Any
 
-from specgate.contract import artifacts
-from specgate.core.build import hash_file
+from specgate.core.build import VerifiedStamps, hash_file
 from specgate.vllmside.sources import hub_cache, repo_folder
 
 CORRUPT = "cache-corrupt"    # the cause of a cached file whose bytes are not the hub's
@@ -51,20 +49,16 @@ def damaged(repo_id: str, revision: str, cache: Path) -> dict[str, str]:
     from huggingface_hub import get_cached_repo_tree
 
     folder = repo_folder(repo_id, cache) / "snapshots" / revision
-    stamps_path = _stamp_file(repo_id, revision, cache)
-    try:
-        stamps: dict[str, Any] = json.loads(stamps_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        stamps = {}
-    found, verified = {}, {}
+    stamps = VerifiedStamps(_stamp_file(repo_id, revision, cache))
+    found = {}
     for entry in get_cached_repo_tree(repo_id, revision=revision, cache_dir=cache):
         path = folder / entry.path
         try:
             stamp = _stamp(path)
         except OSError:
             continue
-        if stamps.get(entry.path) == stamp or not path.is_symlink():   # a copy, not a blob: no name to check
-            verified[entry.path] = stamp
+        if stamps.fits(entry.path, stamp) or not path.is_symlink():   # a copy, not a blob: no name to check
+            stamps.matched(entry.path, stamp)
             continue
         blob = path.resolve().name
         lfs = SHA256.fullmatch(blob) is not None
@@ -74,10 +68,8 @@ def damaged(repo_id: str, revision: str, cache: Path) -> dict[str, str]:
         elif _digest(path, lfs) != want:
             found[entry.path] = f"its {'sha256' if lfs else 'git blob id'} is not the listed {want[:12]}"
         else:
-            verified[entry.path] = stamp
-    if verified != stamps:
-        with suppress(OSError):      # no stamp (e.g. a full disk) only means hashing again next time
-            artifacts.write_json(stamps_path, verified)
+            stamps.matched(entry.path, stamp)
+    stamps.save()
     return found
 
 
