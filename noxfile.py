@@ -31,7 +31,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["check"])
 def ci_jobs(session: nox.Session) -> None:
-    """Run tests/ci: the Buildkite job chain, driven as an agent runs it."""
+    """Run tests/ci: the Buildkite job chain, driven as an agent runs it (its soak tests aside)."""
+    run_module(session, "specgate.sessions.selftest")
+
+
+@nox.session(python=PYTHON, tags=["soak"])
+def ci_soak(session: nox.Session) -> None:
+    """Run tests/ci's soak tests: five PR builds in a row on one agent's disk budget."""
     run_module(session, "specgate.sessions.selftest")
 
 

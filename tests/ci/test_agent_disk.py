@@ -13,8 +13,11 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import wheels
 from pragent import PRAgent, with_fixtures
+
+pytestmark = pytest.mark.soak    # 20 min on 2 cores: nox -s ci_soak, outside the per-commit check
 
 BUILDS = 5
 GIB = 1 << 30

@@ -1,1 +1,1 @@
-"""`nox -s tests` and `nox -s ci_jobs`: the session is specgate.sessions.selftest.session."""
+"""`nox -s tests`, `nox -s ci_jobs` and `nox -s ci_soak`: the session is specgate.sessions.selftest.session."""

@@ -1,4 +1,4 @@
-"""`python -m specgate.sessions.selftest`: the tests or ci_jobs session, as $SPECGATE_SESSION names it
+"""`python -m specgate.sessions.selftest`: the tests, ci_jobs or ci_soak session, as $SPECGATE_SESSION names it
 (specgate.sessions.selftest.session)."""
 
 import os

@@ -1,6 +1,7 @@
-"""`nox -s tests` and `nox -s ci_jobs`: the harness's own tests, their files spread over parallel
-workers. `tests` is the fast loop, everything but tests/ci; `ci_jobs` is tests/ci, the Buildkite
-job chain driven as an agent runs it (real installs and engines: minutes, not seconds)."""
+"""`nox -s tests`, `nox -s ci_jobs` and `nox -s ci_soak`: the harness's own tests, their files
+spread over parallel workers. `tests` is the fast loop, everything but tests/ci; `ci_jobs` is
+tests/ci, the Buildkite job chain driven as an agent runs it (real installs and engines: minutes,
+not seconds), but its soak tests; `ci_soak` is those: many builds in a row (tens of minutes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from specgate.core.manifest import REPO_ROOT
 from specgate.sessions import lifecycle, pytestrun
 
 # Which tests each session runs (its session name comes from noxsupport, as SPECGATE_SESSION).
-TIERS = {"tests": ["--ignore=tests/ci"], "ci_jobs": ["tests/ci"]}
+# `-m` replaces pyproject's `-m 'not e2e'`, so each tier says it again.
+TIERS = {"tests": ["--ignore=tests/ci"], "ci_jobs": ["tests/ci", "-m", "not e2e and not soak"],
+         "ci_soak": ["tests/ci", "-m", "soak and not e2e"]}
 
 
 def step(ctx: lifecycle.Context) -> int:
