@@ -22,21 +22,28 @@ SHA = "0a1b2c3d4e5f60718293a4b5c6d7e8f901234567"
 
 def make_wheel(folder: Path, name: str = "vllm", version: str = "0.32.1.dev12+g0a1b2c3d",
                requires: tuple[str, ...] = (), version_file: str = "") -> Path:
-    """A small real wheel: METADATA, WHEEL, RECORD and one module."""
+    """A small real wheel: METADATA, WHEEL, RECORD (each file's sha256 and size) and one module."""
     folder.mkdir(parents=True, exist_ok=True)
     dist = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{dist}-py3-none-any.whl"
     metadata = "".join([f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
                         *(f"Requires-Dist: {r}\n" for r in requires)])
+    files = {"vllm/__init__.py": "", **({"vllm/_version.py": version_file} if version_file else {}),
+             f"{dist}.dist-info/METADATA": metadata,
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n"}
     with zipfile.ZipFile(path, "w") as wheel:
-        wheel.writestr("vllm/__init__.py", "")
-        if version_file:
-            wheel.writestr("vllm/_version.py", version_file)
-        wheel.writestr(f"{dist}.dist-info/METADATA", metadata)
-        wheel.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                                  "Tag: py3-none-any\n")
-        wheel.writestr(f"{dist}.dist-info/RECORD", "")
+        for member, text in files.items():
+            wheel.writestr(member, text)
+        wheel.writestr(f"{dist}.dist-info/RECORD", "".join(f"{member},sha256={_hashed(text)},{len(text)}\n"
+                                                           for member, text in files.items())
+                       + f"{dist}.dist-info/RECORD,,\n")
     return path
+
+
+def _hashed(text: str) -> str:
+    """RECORD's form of a sha256: urlsafe base64, unpadded."""
+    return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
 
 
 def test_the_option_comes_from_the_sessions_own_args_else_the_environment():
@@ -178,13 +185,10 @@ def _installed_torch(tmp_path: Path) -> Path:
              "torch-0.0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: torch\nVersion: 0.0.1\n",
              "torch-0.0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                             "Tag: py3-none-any\n"}
-    def hashed(text: str) -> str:
-        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-
     with zipfile.ZipFile(wheel, "w") as zf:
         for name, text in files.items():
             zf.writestr(name, text)
-        zf.writestr("torch-0.0.1.dist-info/RECORD", "".join(f"{name},sha256={hashed(text)},{len(text)}\n"
+        zf.writestr("torch-0.0.1.dist-info/RECORD", "".join(f"{name},sha256={_hashed(text)},{len(text)}\n"
                                                             for name, text in files.items())
                     + "torch-0.0.1.dist-info/RECORD,,\n")
     venv = tmp_path / "venv"
@@ -228,3 +232,25 @@ def test_verified_stamps_skip_what_still_fits_and_never_fail_a_check(tmp_path):
     blocked.matched("a", [1, 2])
     blocked.save()
     assert not list(tmp_path.glob("a-file*/*"))
+
+
+def test_a_fresh_venv_from_a_damaged_installer_cache_is_installed_again_from_the_index(tmp_path, monkeypatch):
+    """uv hard-links its cache's files into every venv it makes, and hashes none of them when it
+    links them: a cached vLLM file damaged on disk lands in the next build's venv as it is. The
+    fresh install is checked before any session runs in it, and installed again bypassing the cache."""
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))    # this test's own: it damages it
+    wheel = make_wheel(tmp_path / "dist", version_file="__version__ = '0.32.1.dev12+g0a1b2c3d'\n")
+    spec = build.resolve(str(wheel))
+    first, _ = buildenv.prepare(tmp_path / "agent-1", spec, log=lambda line: None)
+    [cached] = [path for path in (tmp_path / "uv-cache").rglob("vllm/_version.py") if "archive" in str(path)]
+    cached.unlink()                                              # not in place: venv 1's hard link keeps its bytes
+    cached.write_text("__version__ = '0.32.1.dev12+g0a1b2c3X'\n")    # same size, other bytes
+
+    said: list[str] = []
+    second, record = buildenv.prepare(tmp_path / "agent-2", spec, log=said.append)
+    assert any("the fresh venv is damaged (vllm/_version.py does not match the hash its installer recorded)" in line
+               for line in said), said
+    version = buildenv._site_packages(second) / "vllm" / "_version.py"
+    assert version.read_text() == "__version__ = '0.32.1.dev12+g0a1b2c3d'\n"
+    assert buildenv.damage(second, full=True) is None and record == build.wheel_identity(str(wheel))
+    assert (buildenv._site_packages(first) / "vllm" / "_version.py").read_text().endswith("c3d'\n")

@@ -3,8 +3,8 @@ and beside torch+cpu `import torchvision` fails ("operator torchvision::nms does
 not exist"), which breaks transformers' model imports.
 
 `python -m specgate.core.torchprobe` prints, as JSON, which of them fail to import in
-this interpreter (each probed in its own process). The noxfile side decides
-(specgate.sessions.noxsupport): install CPU builds when an index is configured, else
+this interpreter (each probed in its own process). The installer decides
+(specgate.vllmside.buildenv): install CPU builds when an index is configured, else
 remove them and record the degradation here, in the venv, for every summary.
 """
 

@@ -78,7 +78,7 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
         ctx = Context(session, manifest, args, record)
         if hasattr(args, "num_shards"):
             ctx.set_shard(args.num_shards, args.shard_id)
-        with cachestore.lease(*cachestore.build_venv(record["vllm"])):    # never pruned while it runs
+        with cachestore.lease(*cachestore.build_venv()):    # never pruned while it runs
             code = step(ctx)
     except (cli.BadInput, Abort) as exc:
         print(f"error: {exc}", flush=True)

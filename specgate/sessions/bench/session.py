@@ -62,7 +62,7 @@ from specgate.core import cli, envpin
 from specgate.core.manifest import REPO_ROOT, Manifest
 from specgate.sessions import lifecycle
 from specgate.sessions.bench import report as benchreport
-from specgate.vllmside import compilecache
+from specgate.vllmside import buildenv, compilecache
 
 SESSION = "bench"
 FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start", "e2e_upstream", "sampling_cost",
@@ -70,6 +70,7 @@ FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start
            "classify", "fresh_clone")
 NOXW = REPO_ROOT / "scripts" / "noxw.py"
 MEMINFO = Path("/proc/meminfo")
+PINNED_VENV = buildenv.location(REPO_ROOT / ".nox", None)   # what the pinned sessions run in
 E2E_ARGS = ("-s", "cpu_e2e", "--", "--model-source", "fixture")
 
 
@@ -344,7 +345,7 @@ def unit_overhead(runner: Runner, manifest: Manifest, runs: int) -> list[Figure]
         if summary is not None and not summary.get("files_run"):
             sample.problem = f"cpu_unit ran no files ({summary.get('error') or 'see its summary.json'})"
         elif summary is not None and not plan:
-            plan.update(bare_pytest_plan(manifest, summary, REPO_ROOT / ".nox" / "cpu_unit", seen_env("cpu_unit")))
+            plan.update(bare_pytest_plan(manifest, summary, PINNED_VENV, seen_env("cpu_unit")))
         return sample
 
     def bare_run(index: int) -> Sample:
@@ -400,7 +401,7 @@ def warm_noop(runner: Runner, runs: int) -> list[Figure]:
         reason = f"warm_cache could not make everything present first: {fill.problem}"
         return [Figure.missing("warm_cache_noop_s", "s", reason)]
     fixture = ["-s", "warm_cache", "--", "--model-source", "fixture"]
-    verify = [str(REPO_ROOT / ".nox" / "warm_cache" / "bin" / "python"), "-c", FULL_VERIFY]
+    verify = [str(PINNED_VENV / "bin" / "python"), "-c", FULL_VERIFY]
     samples = interleaved(runs, {
         "noop": lambda i: runner.run(f"warm-noop-{i + 1}", nox(*fixture), env=shell_env()),
         "noop -R": lambda i: runner.run(f"warm-noop-R-{i + 1}", nox("-R", *fixture), env=shell_env()),
@@ -439,8 +440,7 @@ def env_setup(runner: Runner, manifest: Manifest, skip_pip: bool) -> list[Figure
             figures.append(timed_steps(runner, "env_setup_uv_s", env, [
                 [uv[0], "venv", "--python", sys.executable, venv],
                 [uv[0], "pip", "install", "--python", venv / "bin" / "python", "-r", constraints],
-                # as the sessions do after installing (specgate.sessions.noxsupport.compile_bytecode);
-                # pip compiles itself
+                # as the sessions do after installing (specgate.vllmside.buildenv); pip compiles itself
                 [venv / "bin" / "python", "-m", "compileall", "-q", "-j", "0", venv / "lib"],
             ], ok_codes=(0, 1)))
         if skip_pip:
