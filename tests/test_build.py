@@ -239,6 +239,9 @@ def test_a_fresh_venv_from_a_damaged_installer_cache_is_installed_again_from_the
     links them: a cached vLLM file damaged on disk lands in the next build's venv as it is. The
     fresh install is checked before any session runs in it, and installed again bypassing the cache."""
     monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))    # this test's own: it damages it
+    # Without the harness's tools (pytest, scipy, ...), which this empty cache would download
+    # from the index twice: they are not what is damaged here.
+    monkeypatch.setattr(buildenv, "tool_pins", lambda: [])
     wheel = make_wheel(tmp_path / "dist", version_file="__version__ = '0.32.1.dev12+g0a1b2c3d'\n")
     spec = build.resolve(str(wheel))
     first, _ = buildenv.prepare(tmp_path / "agent-1", spec, log=lambda line: None)
