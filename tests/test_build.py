@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import wheels
 
 from specgate.core import build
 from specgate.vllmside import buildenv
@@ -35,15 +34,11 @@ def make_wheel(folder: Path, name: str = "vllm", version: str = "0.32.1.dev12+g0
     with zipfile.ZipFile(path, "w") as wheel:
         for member, text in files.items():
             wheel.writestr(member, text)
-        wheel.writestr(f"{dist}.dist-info/RECORD", "".join(f"{member},sha256={_hashed(text)},{len(text)}\n"
-                                                           for member, text in files.items())
+        wheel.writestr(f"{dist}.dist-info/RECORD",
+                       "".join(f"{member},{wheels.record_hash(text.encode())},{len(text)}\n"
+                               for member, text in files.items())
                        + f"{dist}.dist-info/RECORD,,\n")
     return path
-
-
-def _hashed(text: str) -> str:
-    """RECORD's form of a sha256: urlsafe base64, unpadded."""
-    return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
 
 
 def test_the_option_comes_from_the_sessions_own_args_else_the_environment():
@@ -188,8 +183,9 @@ def _installed_torch(tmp_path: Path) -> Path:
     with zipfile.ZipFile(wheel, "w") as zf:
         for name, text in files.items():
             zf.writestr(name, text)
-        zf.writestr("torch-0.0.1.dist-info/RECORD", "".join(f"{name},sha256={_hashed(text)},{len(text)}\n"
-                                                            for name, text in files.items())
+        zf.writestr("torch-0.0.1.dist-info/RECORD",
+                    "".join(f"{name},{wheels.record_hash(text.encode())},{len(text)}\n"
+                            for name, text in files.items())
                     + "torch-0.0.1.dist-info/RECORD,,\n")
     venv = tmp_path / "venv"
     subprocess.run([uv, "venv", "--quiet", str(venv)], check=True)

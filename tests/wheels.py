@@ -49,7 +49,8 @@ def download(requirement: str, dest: Path) -> Path:
     return Path(finder.download(package.link, dest))
 
 
-def _record_hash(data: bytes) -> str:
+def record_hash(data: bytes) -> str:
+    """A RECORD row's hash: sha256= and the digest in urlsafe base64, unpadded."""
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
@@ -71,7 +72,7 @@ def repack(wheel: Path, dest: Path, *, edit: tuple[str, str, str] | None = None,
         rows = []
         for line in source.read(record_name).decode().splitlines():
             name = line.split(",", 1)[0]
-            rows.append(f"{name},{_record_hash(changed[name])},{len(changed[name])}" if name in changed else line)
+            rows.append(f"{name},{record_hash(changed[name])},{len(changed[name])}" if name in changed else line)
         for info in source.infolist():
             if info.filename == record_name:
                 out.writestr(info, "\n".join(rows) + "\n")

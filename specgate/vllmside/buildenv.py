@@ -128,8 +128,7 @@ def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False, in
             damaged = damage(venv, full=True)
             if damaged:
                 raise build.BuildError(f"{venv}: installed twice and still damaged ({damaged[1]})", 75)
-        python = str(venv / "bin" / "python")
-        record = known or build.digest_with(python, "pinned", str(pins.relative_to(REPO_ROOT)))
+        record = known or build.digest_with(str(venv / "bin" / "python"), "pinned", str(pins.relative_to(REPO_ROOT)))
         stamp.write_text(json.dumps({"key": key, "build": record, "size": tree_size(venv)}))   # for nox -s cache
     return venv, record
 
