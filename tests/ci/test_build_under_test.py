@@ -31,8 +31,8 @@ from specgate.vllmside import fixtures
 SELECTED = "test_known_answer and eagle3"
 # The repaired build's distribution check at a sixth of the manifest's draws: power 0.999
 # against a shift of total variation 0.15, not 0.05 (the check asserts the power it states).
-SMALL_SAMPLES = {"tv_shift = 0.05": "tv_shift = 0.15", "max_tokens = 440 ": "max_tokens = 100 ",
-                 "truncated_max_tokens = 680": "truncated_max_tokens = 100"}
+SMALL_SAMPLES = {"tv_shift = 0.05": "tv_shift = 0.15", "max_tokens = 110 ": "max_tokens = 25 ",
+                 "truncated_max_tokens = 170": "truncated_max_tokens = 25"}
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,8 @@ class Sampling:
     truncated_requests: int
     max_tokens: int
     truncated_max_tokens: int
-    released_max_tokens: int
+    released_requests: int          # the release's own run and the top-k defect's reproduction:
+    released_max_tokens: int        # requests, and tokens in each
     text_requests: int              # the two-sample check on a config's own checkpoints: requests,
     text_max_tokens: int            # and tokens in each (one continuation is one draw)
     prompts: list[list[int]]        # cycled over the requests
@@ -45,7 +46,7 @@ class Sampling:
         r = _Reader(manifest.path, table, "e2e.sampling.")
         counts = {key: r.get(key, int, "a positive integer") for key in (
             "seed_base", "greedy_requests", "sampled_requests", "truncated_requests", "max_tokens",
-            "truncated_max_tokens", "released_max_tokens", "text_requests", "text_max_tokens")}
+            "truncated_max_tokens", "released_requests", "released_max_tokens", "text_requests", "text_max_tokens")}
         for key, value in counts.items():
             if value <= 0:
                 raise r.fail(key, "a positive integer", value)

@@ -106,11 +106,11 @@ def sampling_requests(run: Run, settings: Settings) -> list[Request]:
     if run.requests == RELEASED:
         return [Request(prompts[i % len(prompts)], "sampled",
                         {**common, "seed": s.seed_base + i, "max_tokens": s.released_max_tokens})
-                for i in range(s.sampled_requests)]
+                for i in range(s.released_requests)]
     if run.requests == TOP_K:
         return [Request(prompts[i % len(prompts)], "top_k" if i % 2 else "sampled",
                         {**common, **({"top_k": s.top_k} if i % 2 else {}), "seed": s.seed_base + i,
-                         "max_tokens": s.released_max_tokens}) for i in range(s.sampled_requests)]
+                         "max_tokens": s.released_max_tokens}) for i in range(s.released_requests)]
     for i in range(s.greedy_requests):
         out.append(Request(prompts[i % len(prompts)], "greedy",
                            {**common, "temperature": 0.0, "max_tokens": settings.known_answer_max_tokens}))
@@ -198,13 +198,25 @@ def speculative_config(run: Run) -> dict[str, Any] | None:
     return spec
 
 
+ONE_BATCH = (SAMPLED, TOP_P_ONLY)   # request kinds generated in a single batch, all at once
+
+
+def max_num_seqs(run: Run, settings: Settings) -> int:
+    """The engine's batch bound: the main sampling engines take all their requests in one batch
+    (many short requests: steps, not tokens, are what an engine pays for on a tiny model); the
+    rest keep [e2e] max_num_seqs, the declared defects' reproductions in the shape they were seen in."""
+    if run.requests in ONE_BATCH:
+        return max(settings.max_num_seqs, len(sampling_requests(run, settings)))
+    return settings.max_num_seqs
+
+
 def llm_kwargs(run: Run, settings: Settings) -> dict[str, Any]:
     """LLM(...) arguments. No enforce_eager: the engine compiles (CPU: inductor)."""
     kwargs: dict[str, Any] = {
         "model": run.target.path,
         "dtype": settings.dtype,
         "max_model_len": settings.max_model_len,
-        "max_num_seqs": settings.max_num_seqs,
+        "max_num_seqs": max_num_seqs(run, settings),
         "seed": 0,
         "disable_log_stats": False,
         **dict(run.engine),
