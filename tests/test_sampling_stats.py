@@ -10,7 +10,6 @@ none expected), the mutated ones must fail. Seeds are fixed, so every run is the
 from __future__ import annotations
 
 import itertools
-import tomllib
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -18,8 +17,8 @@ import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from specgate.core.manifest import REPO_ROOT
-from specgate.sessions.e2e import sampling
+from specgate.core import manifest
+from specgate.sessions.e2e import planning, sampling
 from specgate.vllmside import knownanswer
 
 LOGITS = (24.0, 23.5, 23.0, 22.5)            # the *-spread fixtures' answer_logits
@@ -30,9 +29,10 @@ ALPHA, TV, POWER = 1e-6, 0.05, 0.999
 DRAFTS = 3                                  # num_speculative_tokens
 PROMPTS = ([5, 6, 7], [300, 200], [509, 510], [7, 300, 9, 301, 7, 300, 9])
 # The manifest's request shapes: 7040 draws >= the ~7000 that power 0.999 needs; 5440 truncated.
-_SHAPES = tomllib.loads((REPO_ROOT / "manifest.toml").read_text())["e2e"]["sampling"]
-REQUESTS, MAX_TOKENS = _SHAPES["sampled_requests"], _SHAPES["max_tokens"]
-TRUNCATED, TRUNCATED_TOKENS = _SHAPES["truncated_requests"], _SHAPES["truncated_max_tokens"]
+_SHAPES = planning.Settings.parse(manifest.load()).sampling
+assert _SHAPES is not None, "manifest.toml has no [e2e.sampling]"
+REQUESTS, MAX_TOKENS = _SHAPES.sampled_requests, _SHAPES.max_tokens
+TRUNCATED, TRUNCATED_TOKENS = _SHAPES.truncated_requests, _SHAPES.truncated_max_tokens
 SEEDS = range(30)
 
 DESIGN = sampling.Design(LOGITS, VOCAB, T)
