@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 from specgate.vllmside import engine
@@ -87,3 +89,45 @@ def test_the_host_has_vllm_inspect_later_engines_models_while_the_first_runs(tmp
     inspected = sorted(path.name for path in (cache / "modelinfos").iterdir())
     assert inspected == ["vllm-model_executor-models-mimo-MiMoForCausalLM.json",
                          "vllm-model_executor-models-mimo_mtp-MiMoMTP.json"]
+
+
+class _Engine:
+    """What vLLM 0.32's in-process EngineCore does with the collector: it freezes the whole heap
+    once it is up (freeze_gc_heap) and unfreezes it at shutdown. Its self-reference is the kind of
+    cycle an engine is full of, so only a collect frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+        gc.freeze()
+
+    def shutdown(self) -> None:
+        gc.unfreeze()
+        gc.collect()
+
+
+def _young(obj: object) -> bool:
+    """Whether the collector walks `obj` (gc.get_objects lists every generation but the frozen one)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_an_engine_under_the_hosts_freeze_stays_collectable_and_the_frozen_heap_stays_frozen():
+    """Inside host_owns_gc_freeze, vLLM's freeze and unfreeze do nothing: what the host froze
+    stays frozen through the shutdown (so its collects walk only the engine), and the engine is
+    never frozen, so a collect after it is deleted frees it. A freeze left on would keep every
+    engine of the process alive; an unfreeze left on costs 2 s a shutdown. Outside, both work."""
+    module_state = [object()]
+    gc.freeze()
+    try:
+        with engine.host_owns_gc_freeze():
+            core = _Engine()
+            alive = weakref.ref(core)
+            assert _young(core)
+            core.shutdown()
+            assert not _young(module_state)
+            del core
+            gc.collect()
+            assert alive() is None
+        gc.unfreeze()
+        assert _young(module_state)
+    finally:
+        gc.unfreeze()

@@ -444,15 +444,15 @@ def test_two_sample_of_continuations_has_no_false_alarm_and_sees_a_gross_fault()
     rare) its power is tiny and says so: it is the hub checkpoints' check, whose continuations
     are far less spread."""
     for seed in SEEDS:
-        test = sampling.two_sample_continuations(continuations_alone(seed), continuations(batch(CORRECT, seed, TEXT_REQUESTS, TEXT_TOKENS, SHORT_PROMPTS)),
-                                                 ALPHA, TV)
+        speculated = batch(CORRECT, seed, TEXT_REQUESTS, TEXT_TOKENS, SHORT_PROMPTS)
+        test = sampling.two_sample_continuations(continuations_alone(seed), continuations(speculated), ALPHA, TV)
         assert test["passed"], (seed, test)
         assert test["cells"] >= 3 and test["df"] == test["cells"] - 1 and test["n"] == [TEXT_REQUESTS] * 2
         assert sum(test["rare"]) + sum(a + b for _, a, b in test["top"]) <= 512
         assert test["power"] < 0.01
     always_accept = Sampler(CORRECT.probs, fixed_u=0.0)
-    test = sampling.two_sample_continuations(continuations_alone(0), continuations(batch(always_accept, 0, TEXT_REQUESTS, TEXT_TOKENS, SHORT_PROMPTS)),
-                                             ALPHA, TV)
+    speculated = batch(always_accept, 0, TEXT_REQUESTS, TEXT_TOKENS, SHORT_PROMPTS)
+    test = sampling.two_sample_continuations(continuations_alone(0), continuations(speculated), ALPHA, TV)
     assert not test["passed"] and test["p_value"] < 1e-20
 
 

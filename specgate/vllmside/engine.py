@@ -24,6 +24,7 @@ child runs, a thread of the host has vLLM inspect the model classes of the later
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import gc
 import importlib
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -271,8 +272,25 @@ def shutdown(llm: Any | None) -> None:
     starts; with None (the engine failed to start) only the freeing."""
     if llm is not None:
         engine_attr(llm, "engine_core").shutdown()
-    # It unfreezes the heap and runs a full gc.collect itself (a second one costs 0.5 s here).
     vllm_global("vllm.distributed.parallel_state", "cleanup_dist_env_and_memory")()
+
+
+@contextlib.contextmanager
+def host_owns_gc_freeze() -> Iterator[None]:
+    """An engine's life with vLLM's own gc.freeze() and gc.unfreeze() calls turned off. vLLM
+    freezes the whole heap once its engine is up and unfreezes all of it at shutdown, so each
+    full gc.collect of the shutdown (three per engine) walks every object of vLLM's, torch's and
+    transformers' modules: 0.7 s a collect here. The host froze those once, before the first
+    engine and after each; the engine's objects stay young, so a collect walks only them, and
+    the one after the engine is deleted frees its cycles. Five tiny engines in a row: shutdown
+    0.25 s instead of 2.3 s, no engine left alive (vLLM's way keeps the last one until the next
+    shutdown), the same resident memory."""
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    gc.freeze = gc.unfreeze = lambda: None
+    try:
+        yield
+    finally:
+        gc.freeze, gc.unfreeze = freeze, unfreeze
 
 
 # --------------------------------------------------------------------------- the engine process
@@ -299,40 +317,42 @@ def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str,
     result: dict[str, Any] = {"error": None}
     llm = None
     started = time.monotonic()
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+    with host_owns_gc_freeze():
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
 
-        result["import_s"] = round(time.monotonic() - started, 2)
-        before = compile_counters()
-        started = time.monotonic()
-        llm = LLM(**llm_kwargs)
-        result["init_s"] = round(time.monotonic() - started, 2)
-        result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
-        result["runner"], result["compilation"] = runner(llm), compilation(llm)
-        inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
-        params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
-                  else SamplingParams(**sampling))
-        started = time.monotonic()
-        with enginehooks.active(record=record_drafts, repair=repair):
-            outputs = llm.generate(inputs, params, use_tqdm=False)
-            drafts = enginehooks.drafts_by_request()
-            result["generate_s"] = round(time.monotonic() - started, 2)
-            result["counters"] = spec_counters(llm)   # before the repeat: the checks read the first pass
-            if repeat:
-                again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat]
-                                     if isinstance(params, list) else params, use_tqdm=False)
-                result["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
-        result.update(_outputs(outputs))
-        if record_drafts:
-            result["drafts"] = drafts
-    except Exception as exc:
-        result["error"] = _error_record(exc)
-    finally:
-        started = time.monotonic()
-        shutdown(llm)
-        del llm
-        result["shutdown_s"] = round(time.monotonic() - started, 2)
+            result["import_s"] = round(time.monotonic() - started, 2)
+            before = compile_counters()
+            started = time.monotonic()
+            llm = LLM(**llm_kwargs)
+            result["init_s"] = round(time.monotonic() - started, 2)
+            result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
+            result["runner"], result["compilation"] = runner(llm), compilation(llm)
+            inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+            params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
+                      else SamplingParams(**sampling))
+            started = time.monotonic()
+            with enginehooks.active(record=record_drafts, repair=repair):
+                outputs = llm.generate(inputs, params, use_tqdm=False)
+                drafts = enginehooks.drafts_by_request()
+                result["generate_s"] = round(time.monotonic() - started, 2)
+                result["counters"] = spec_counters(llm)   # before the repeat: the checks read the first pass
+                if repeat:
+                    again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat]
+                                         if isinstance(params, list) else params, use_tqdm=False)
+                    result["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
+            result.update(_outputs(outputs))
+            if record_drafts:
+                result["drafts"] = drafts
+        except Exception as exc:
+            result["error"] = _error_record(exc)
+        finally:
+            started = time.monotonic()
+            shutdown(llm)
+            del llm
+            gc.collect()   # the engine's own cycles: only the young objects, the rest is frozen
+            result["shutdown_s"] = round(time.monotonic() - started, 2)
     return result
 
 
@@ -382,7 +402,7 @@ def _generate_all(runs: list[dict[str, Any]], result_path: Path, answer: dict[st
         results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"], repeat=run.get("repeat", []),
                                        record_drafts=run.get("record_drafts", False), repair=run.get("repair"))
         # What outlived the shutdown is module state: frozen, the next engine's many full
-        # gc.collect calls (vLLM's, during start and shutdown) skip it. vLLM's shutdown unfreezes.
+        # gc.collect calls (vLLM's, during start and shutdown: host_owns_gc_freeze) skip it.
         gc.freeze()
         if mutant_fired is not None:   # how often the injected fault changed something in this engine
             results[run["key"]]["mutant_fired"] = mutant_fired()
