@@ -46,6 +46,12 @@ def step(ctx):
                           "subprocess.Popen(['sleep', '300'], start_new_session=True); time.sleep(300)"])
         print("ready", flush=True)
         time.sleep(300)
+    if what == "stubborn":   # a child that outlasts SIGTERM, so ending the tree takes its grace period
+        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "print('child ready', flush=True); time.sleep(300)"])
+        time.sleep(1)
+        print("ready", flush=True)
+        time.sleep(300)
 
 p = cli.parser("tests", "lifecycle test", pytest=False)
 p.add_argument("what")
@@ -132,6 +138,21 @@ def test_a_stopped_session_says_killed_and_takes_its_tree_with_it(run, tmp_path)
     assert code == 128 + signal.SIGTERM and data["status"] == "killed" and data["error"] == "stopped by SIGTERM"
     gone, alive = psutil.wait_procs(tree, timeout=5)
     assert not alive, f"left running: {alive}"
+
+
+def test_a_second_stop_during_the_cleanup_still_leaves_a_killed_summary(run, tmp_path):
+    """A job's timeout signals the whole process group, so nox forwards a SIGTERM of its own while
+    the session is still ending its children: that second stop must not cut the cleanup short
+    and leave summary.json saying "running"."""
+    proc = run("stubborn")
+    wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)   # inside end_tree's grace period for the child that ignores SIGTERM
+    proc.send_signal(signal.SIGTERM)
+    code, out = finished(proc)
+    data = record(tmp_path)
+    assert code == 128 + signal.SIGTERM and data["status"] == "killed" and data["error"] == "stopped by SIGTERM", out
+    assert "Traceback" not in out
 
 
 def test_an_agent_environment_leaves_the_summary_intact_and_no_secret_in_artifacts(run, tmp_path):

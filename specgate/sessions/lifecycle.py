@@ -62,7 +62,15 @@ Step = Callable[[Context], int]
 
 
 def _raise_stopped(signum: int, _frame: Any) -> None:
+    # One stop is enough: a second (a job's timeout signals nox, which signals us again) must not
+    # cut the cleanup short.
+    _ignore_stops()
     raise Stopped(signum)
+
+
+def _ignore_stops() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None = None) -> int:
@@ -97,8 +105,7 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
             code, error = exitcodes.INCOMPLETE, f"env-blocked: disk full (No space left on device) at {where}"
         processes.end_tree()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        _ignore_stops()   # until the summary is written: a stop now would leave it saying "running"
     tally = summary.counts(record["tests"])
     expected_tests = ctx is not None and ctx.expects_tests
     if status == "finished" and code == exitcodes.OK and expected_tests and not tally["executed"]:
@@ -106,6 +113,8 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
     path = summary.finish(record, code, status=status, error=error or record.get("error"))
     artifacts.scrub_tree(path.parent)
     print(closing_line(record, path), flush=True)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     return code
 
 
