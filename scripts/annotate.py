@@ -80,8 +80,11 @@ def render_e2e(tests: list[dict]) -> str:
     rows = [[contract.model_label(t) if key == "model" else t.get(key) for key, _ in E2E_COLUMNS] for t in tests]
     notes = [f"- {cell(t['nodeid'])} ({t['outcome']}, {cell(t.get('cause'))}): {cell(t.get('reason'))}"
              for t in tests if t["outcome"] != "passed"]
+    fixed = [f"- {cell(t['nodeid'])}: {cell(t.get('note'))}" for t in tests if t.get("defect_status") == "fixed"]
     body = table([h for _, h in E2E_COLUMNS], rows, right={6, 7})
-    return body + ("\n\nNot passed:\n" + "\n".join(notes) if notes else "")
+    return (body + ("\n\nNot passed:\n" + "\n".join(notes) if notes else "")
+            + ("\n\nDeclared defects that no longer reproduce (remove the declaration):\n" + "\n".join(fixed)
+               if fixed else ""))
 
 
 def render_unit(tests: list[dict]) -> str:

@@ -116,13 +116,16 @@ def eagle3_entry(acceptance_len: float, revision: str = FIXTURE_REVISION, outcom
 
 def engine_row(key: str, method: str, rates: tuple[float, ...] = (), init_s: float = 10.0,
                generate_s: float = 0.5) -> dict:
-    """One engines row: vLLM's counters (accepted per draft position) and the engine's times."""
+    """One engines row with its one phase (the greedy requests, keyed as the engine):
+    vLLM's counters (accepted per draft position) and the engine's times."""
+    counters = {"drafts": DRAFTS if rates else 0, "drafted_tokens": len(rates) * DRAFTS if rates else 0,
+                "accepted_tokens": sum(round(r * DRAFTS) for r in rates),
+                "per_position": [round(r * DRAFTS) for r in rates]}
     return {"key": key, "method": method, "model_source": "fixture", "target": "successor-qwen3",
             "draft": "eagle3-successor" if method != "none" else None, "revision": FIXTURE_REVISION, "runner": "v1",
             "compilation": {"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"},
-            "counters": {"drafts": DRAFTS if rates else 0, "drafted_tokens": len(rates) * DRAFTS if rates else 0,
-                         "accepted_tokens": sum(round(r * DRAFTS) for r in rates),
-                         "per_position": [round(r * DRAFTS) for r in rates]},
+            "phases": [{"key": key, "requests": "greedy", "ran": True, "repair": None, "generate_s": generate_s,
+                        "counters": counters, "error": None}],
             "error": None, "process": 0, "import_s": 0.0, "init_s": init_s, "generate_s": generate_s,
             "shutdown_s": 1.5}
 

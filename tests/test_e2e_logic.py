@@ -3,6 +3,8 @@ per-position acceptance, the summary merge and the exit codes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -104,7 +106,7 @@ def test_selection_covers_each_config_as_the_brief_asks():
 
 
 def test_known_answer_must_name_a_declared_fixture(tmp_path):
-    path = _manifest_with(tmp_path, 'known_answer = { target = "context-qwen3", floor',
+    path = _manifest_with(tmp_path, 'known_answer = { target = "context-qwen3-spread", floor',
                           'known_answer = { target = "no-such-fixture", floor')
     manifest = m.load(path)
     config = next(c for c in manifest.e2e if c.method == "ngram")
@@ -141,14 +143,50 @@ def test_process_order_keeps_ngram_and_expected_failures_last():
     eagle = runs.Run(target, _model("d"), "eagle3", 3)
     broken = runs.Run(_model("q"), None, "mtp", 1, (), (("enable_prefix_caching", True),))
     order = runs.process_order([ngram, broken, eagle, base, base], {broken.key})
-    assert [r.method for r in order] == ["none", "eagle3", "ngram", "mtp"]
+    assert [[r.method for r in phases] for phases in order] == [["none"], ["eagle3"], ["ngram"], ["mtp"]]
+
+
+def test_one_engine_serves_every_phase_of_its_configuration_the_repaired_ones_late_the_failing_one_last():
+    """Phases that share target, drafter, k, draft method and engine extras are one engine start;
+    within it the phases without a repair run first (memory a repaired phase wrote must not mask
+    the defect), the one expected to fail (it ends the engine) last."""
+    target, draft = _model("t"), _model("d")
+    def phase(requests="", repair=None, method="eagle3", speculative=()):
+        return runs.Run(target, draft, method, 3, speculative, requests=requests, repair=repair)
+    sampled, released, greedy = phase(runs.SAMPLED, "vllm-55005"), phase(runs.RELEASED), phase()
+    top_k = phase(runs.TOP_K, "vllm-55005")
+    probabilistic = phase(runs.SAMPLED, "vllm-55005", speculative=(("draft_sample_method", "probabilistic"),))
+    order = runs.process_order([top_k, sampled, probabilistic, greedy, released, sampled], {top_k.key})
+    assert [[r.key for r in phases] for phases in order] == [[probabilistic.key],
+                                                             [greedy.key, released.key, sampled.key, top_k.key]]
+    assert len({r.engine_key for r in order[1]}) == 1 and greedy.engine_key != probabilistic.engine_key
+    settings = planning.Settings.parse(m.load())
+    kwargs = runs.llm_kwargs(order[1], settings)
+    assert kwargs["max_num_seqs"] == runs.batch_size(sampled, settings) == len(runs.sampling_requests(sampled, settings))
+    assert runs.batch_size(top_k, settings) == runs.batch_size(greedy, settings) == settings.max_num_seqs
+
+
+def test_fixture_stand_ins_fold_into_the_known_answer_pair_only_where_the_model_classes_match():
+    """ngram on tiny-qwen3 and DFlash on tiny-qwen3 + dflash-random run on their known-answer pair
+    (the same vLLM model classes); Qwen3.5's stand-in is another architecture than MiMo's pair."""
+    known = {"target": _model("context-qwen3-spread", answer_rule="previous-plus-two"), "draft": None,
+             "floor": None, "exact_drafts": False, "note": None}
+    ngram = planning.Config("ngram", "ngram", "v1", 3, {}, _model("Qwen/Qwen3-0.6B", fixture="tiny-qwen3"), None,
+                            {"prompt_lookup_min": 3}, {}, known, None, {})
+    assert runs.spec_run(ngram) == runs.known_answer_run(ngram)
+    hub = dataclasses.replace(ngram, target=_model("Qwen/Qwen3-0.6B", source="hub"))
+    assert runs.spec_run(hub).target.source == "hub"
+    qwen35 = dataclasses.replace(_model("Qwen/Qwen3.5-0.8B", fixture="qwen35-mtp-random"),
+                                 architecture="Qwen3_5ForCausalLM")
+    mtp = dataclasses.replace(ngram, method="mtp", target=qwen35, speculative={})
+    assert runs.spec_run(mtp).target == qwen35
 
 
 def test_llm_kwargs_compile_and_only_speculation_asks_for_request_metrics():
     settings = planning.Settings.parse(m.load())
     target, draft = _model("t"), _model("d")
-    base = runs.llm_kwargs(runs.Run(target, None, "none", 0), settings)
-    spec = runs.llm_kwargs(runs.Run(target, draft, "eagle3", 3, (), (("enable_prefix_caching", False),)), settings)
+    base = runs.llm_kwargs([runs.Run(target, None, "none", 0)], settings)
+    spec = runs.llm_kwargs([runs.Run(target, draft, "eagle3", 3, (), (("enable_prefix_caching", False),))], settings)
     assert "enforce_eager" not in base and "enforce_eager" not in spec
     assert "speculative_config" not in base and "per_request_spec_decode_metrics" not in base
     assert spec["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/models/d"}
@@ -156,15 +194,18 @@ def test_llm_kwargs_compile_and_only_speculation_asks_for_request_metrics():
 
 
 def test_known_answer_runs_drop_the_hub_targets_engine_workaround():
-    config = planning.Config("mtp-v1", "mtp", "v1", 3, {"hub": 1.5}, _model("Qwen/Qwen3.5-0.8B"), None, {},
+    qwen35 = dataclasses.replace(_model("Qwen/Qwen3.5-0.8B"), architecture="Qwen3_5ForCausalLM")
+    mimo = dataclasses.replace(_model("mimo", answer_rule="previous-plus-two"), architecture="MiMoForCausalLM")
+    config = planning.Config("mtp-v1", "mtp", "v1", 3, {"hub": 1.5}, qwen35, None, {},
                         {"enable_prefix_caching": False},
-                        {"target": _model("mimo", answer_rule="previous-plus-two"), "draft": None, "floor": None,
+                        {"target": mimo, "draft": None, "floor": None,
                          "exact_drafts": True, "note": None},
                         None, {})
     run = runs.known_answer_run(config)
     assert run.engine == () and run.target.name == "mimo"
     assert runs.runs_for("known_answer", config) == [run.baseline(), run]
     assert runs.runs_for("v1_matches_baseline", config)[1].engine == (("enable_prefix_caching", False),)
+    assert not runs.folds_into_known_answer(config)   # Qwen3.5's stand-in is another model class than MiMo
 
 
 def test_text_sampling_runs_the_configs_own_checkpoints_and_its_baseline_keeps_the_requests():
@@ -290,8 +331,11 @@ def _result(nodeid: str, outcome: str, message: str = "", time_s: float = 1.0) -
 
 def test_merge_fills_rows_from_records(tmp_path):
     recorder = report.Recorder(tmp_path / "records.jsonl")
-    recorder.write("test", test="t.py::a", method="ngram", drafts=3, acceptance_len=2.0)
-    recorder.write("engine", key="k", init_s=12.5, compilation={"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"})
+    recorder.write("test", test="t.py::a", method="ngram", drafts=3, acceptance_len=2.0, engines=["k"])
+    recorder.write("test", test="t.py::c", engines=["k requests=sampled", "other"])
+    recorder.write("engine", key="k", init_s=12.5, compilation={"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"},
+                   phases=[{"key": "k requests=sampled", "generate_s": 2.0, "error": None},
+                           {"key": "k", "generate_s": 0.5, "error": None}])
     recorder.write("test", test="t.py::d", method="mtp", expected_failure="TypeError: known")
     rows = report.merge_results([_result("t.py::a", "passed", time_s=3.216),
                               _result("t.py::b", "skipped", "Model Runner V2 requires Triton; using the V1 model "
@@ -306,7 +350,8 @@ def test_merge_fills_rows_from_records(tmp_path):
     assert set(report.MEASURED_FIELDS) <= set(rows[1])
     for row in rows:
         assert_valid_test_entry(row)
-    engines = report.engine_rows(recorder.read())
+    engines = report.engine_rows(recorder.read(), rows)
+    assert engines[0]["checks"] == ["t.py::a", "t.py::c"]     # every test that read one of its phases
     assert report.compile_backend(engines) == "inductor"
     assert "1 engine starts: 12.5 s in all" in report.format_report(rows, engines)
 

@@ -35,6 +35,7 @@ from dataclasses import asdict
 from typing import Any
 
 from specgate.ciside import history
+from specgate.contract import summary as contract
 from specgate.core.manifest import DriftSpec, GateSpec
 
 IDENTITY = "model_identity"
@@ -66,7 +67,7 @@ def _describe_host(host: Mapping[str, Any]) -> str:
 
 def position_rates(entry: Mapping[str, Any], engines: Sequence[Mapping[str, Any]]) -> list[float] | None:
     """Acceptance rate per draft position of the entry's speculative engine (None: it drafted nothing)."""
-    rows = {row.get("key"): row for row in engines}
+    rows = contract.phases_by_key(engines)
     for key in entry.get("engines") or ():
         row = rows.get(key)
         if row and row.get("method") not in (None, "none"):

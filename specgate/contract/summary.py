@@ -17,7 +17,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -104,6 +104,16 @@ def counts(tests: list[dict[str, Any]]) -> dict[str, int]:
     tally = {outcome: sum(t["outcome"] == outcome for t in tests) for outcome in OUTCOMES}
     return {"executed": sum(tally[o] for o in EXECUTED), "passed": tally["passed"], "failed": tally["failed"],
             "errors": tally["error"], "skipped": tally["skipped"], "xfailed": tally["xfailed"]}
+
+
+def phases_by_key(engines: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """cpu_e2e's engine rows as the phases tests read (a test entry's `engines` lists phase keys),
+    each with its engine's method; a row of a summary from before phases is its own one phase."""
+    found = {}
+    for engine in engines:
+        for phase in engine.get("phases") or [engine]:
+            found[phase.get("key")] = {**phase, "method": engine.get("method")}
+    return found
 
 
 def model_labels(entry: Mapping[str, Any]) -> tuple[str | None, str | None]:

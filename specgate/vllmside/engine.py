@@ -307,20 +307,19 @@ def _outputs(outputs: list[Any]) -> dict[str, Any]:
             "request_metrics": [request_metrics(o) for o in outputs]}
 
 
-def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str, Any] | list[dict[str, Any]],
-             *, repeat: Sequence[int] = (), record_drafts: bool = False, repair: str | None = None) -> dict[str, Any]:
-    """Start one engine, generate every prompt (token-id lists or text) with its sampling
-    parameters (one dict for all, or one per prompt), read what it measured, shut it down.
-    `repeat`: prompts generated a second time afterwards, in a second call (seeded
-    determinism); `record_drafts` and `repair`: specgate.vllmside.enginehooks. Returns JSON-ready
-    data; an exception is recorded (pickled with its traceback) instead of raised."""
-    result: dict[str, Any] = {"error": None}
+def generate(llm_kwargs: dict[str, Any], phases: list[dict[str, Any]], *, probes: dict[str, str] | None = None,
+             mutant_fired: Callable[[], int] | None = None) -> dict[str, Any]:
+    """Start one engine, run its phases in order (each a set of requests, see `_run_phase`), shut
+    it down. A phase that fails ends the engine: the phases after it are not run. `probes` (the
+    host's `probe_defects`) says which repairs a phase may ask for: only a defect the build has
+    is repaired. Returns JSON-ready data; an exception is recorded (pickled with its traceback)
+    instead of raised."""
+    result: dict[str, Any] = {"error": None, "phases": {}}
     llm = None
     started = time.monotonic()
     with host_owns_gc_freeze():
         try:
-            from vllm import LLM, SamplingParams
-            from vllm.inputs import TokensPrompt
+            from vllm import LLM
 
             result["import_s"] = round(time.monotonic() - started, 2)
             before = compile_counters()
@@ -329,22 +328,13 @@ def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str,
             result["init_s"] = round(time.monotonic() - started, 2)
             result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
             result["runner"], result["compilation"] = runner(llm), compilation(llm)
-            inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
-            params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
-                      else SamplingParams(**sampling))
-            started = time.monotonic()
-            with enginehooks.active(record=record_drafts, repair=repair):
-                outputs = llm.generate(inputs, params, use_tqdm=False)
-                drafts = enginehooks.drafts_by_request()
-                result["generate_s"] = round(time.monotonic() - started, 2)
-                result["counters"] = spec_counters(llm)   # before the repeat: the checks read the first pass
-                if repeat:
-                    again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat]
-                                         if isinstance(params, list) else params, use_tqdm=False)
-                    result["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
-            result.update(_outputs(outputs))
-            if record_drafts:
-                result["drafts"] = drafts
+            for phase in phases:
+                data = _run_phase(llm, phase, probes or {})
+                if mutant_fired is not None:   # how often the injected fault changed something in this phase
+                    data["mutant_fired"] = mutant_fired()
+                result["phases"][phase["key"]] = data
+                if data["error"]:
+                    break
         except Exception as exc:
             result["error"] = _error_record(exc)
         finally:
@@ -354,6 +344,50 @@ def generate(llm_kwargs: dict[str, Any], prompts: list[Any], sampling: dict[str,
             gc.collect()   # the engine's own cycles: only the young objects, the rest is frozen
             result["shutdown_s"] = round(time.monotonic() - started, 2)
     return result
+
+
+def _run_phase(llm: Any, phase: dict[str, Any], probes: dict[str, str]) -> dict[str, Any]:
+    """One phase: generate its prompts (token-id lists or text) with their sampling parameters
+    (one dict for all, or one per prompt), `batch` requests per generate call; then the
+    `repeat` prompts once more (seeded determinism). `record_drafts` and `repair`:
+    specgate.vllmside.enginehooks; the repair is applied where the probe found its defect."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    repair = phase.get("repair")
+    data: dict[str, Any] = {"error": None, "repair": repair if probes.get(repair or "") == enginehooks.PRESENT else None}
+    inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in phase["prompts"]]
+    sampling = phase["sampling"]
+    params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
+              else [SamplingParams(**sampling)] * len(inputs))
+    batch = phase.get("batch") or len(inputs)
+    before = spec_counters(llm)
+    started = time.monotonic()
+    try:
+        with enginehooks.active(record=phase.get("record_drafts", False), repair=data["repair"]):
+            outputs = []
+            for first in range(0, len(inputs), batch):
+                outputs += llm.generate(inputs[first:first + batch], params[first:first + batch], use_tqdm=False)
+            drafts = enginehooks.drafts_by_request()
+            data["generate_s"] = round(time.monotonic() - started, 2)
+            data["counters"] = counters_since(before, spec_counters(llm))   # before the repeat: the checks read the first pass
+            repeat = phase.get("repeat") or []
+            if repeat:
+                again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat], use_tqdm=False)
+                data["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
+        data.update(_outputs(outputs))
+        if phase.get("record_drafts"):
+            data["drafts"] = drafts
+    except Exception as exc:
+        data["error"] = _error_record(exc)
+    return data
+
+
+def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the engine's cumulative spec-decode counters gained between two readings."""
+    earlier = before["per_position"] + [0] * (len(after["per_position"]) - len(before["per_position"]))
+    return {**{key: after[key] - before[key] for key in SPEC_COUNTERS},
+            "per_position": [a - b for a, b in zip(after["per_position"], earlier, strict=True)]}
 
 
 def _error_record(exc: BaseException) -> dict[str, str | None]:
@@ -387,33 +421,31 @@ LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's 
                    "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
 
 
-def _generate_all(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
+def _generate_all(engines: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
                   mutant_fired: Callable[[], int] | None = None) -> None:
     """Engine child: engines one after another in this process, the result file (the host's
     `answer`, with the results of earlier children) rewritten after each. Stops early (the
-    host forks a fresh child for the rest) after a failed engine, whose leftovers could spoil
-    the next, or once llvmlite is loaded."""
+    host forks a fresh child for the rest) after a failed engine or phase, whose leftovers
+    could spoil the next, or once llvmlite is loaded."""
     results = answer["results"]
     stopped = None
-    for index, run in enumerate(runs):
+    for index, spec in enumerate(engines):
         if index and "llvmlite" in sys.modules:
             stopped = LLVMLITE_DEFECT
             break
-        results[run["key"]] = generate(run["llm"], run["prompts"], run["sampling"], repeat=run.get("repeat", []),
-                                       record_drafts=run.get("record_drafts", False), repair=run.get("repair"))
+        result = results[spec["key"]] = generate(spec["llm"], spec["phases"], probes=answer.get("probes"),
+                                                 mutant_fired=mutant_fired)
         # What outlived the shutdown is module state: frozen, the next engine's many full
         # gc.collect calls (vLLM's, during start and shutdown: host_owns_gc_freeze) skip it.
         gc.freeze()
-        if mutant_fired is not None:   # how often the injected fault changed something in this engine
-            results[run["key"]]["mutant_fired"] = mutant_fired()
         _write_json(result_path, {**answer, "stopped": None})
-        if results[run["key"]]["error"]:
+        if result["error"] or any(p["error"] for p in result["phases"].values()):
             stopped = "an engine failed"
             break
     _write_json(result_path, {**answer, "stopped": stopped})
 
 
-def _fork_engines(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
+def _fork_engines(engines: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
                   mutant_fired: Callable[[], int] | None) -> int:
     """Host side: run `_generate_all` in a forked child and wait for it. Returns the child's
     exit status as a shell would (128 + signal when a signal ended it)."""
@@ -422,7 +454,7 @@ def _fork_engines(runs: list[dict[str, Any]], result_path: Path, answer: dict[st
         code = 1
         try:
             processes.die_with_parent()
-            _generate_all(runs, result_path, answer, mutant_fired)
+            _generate_all(engines, result_path, answer, mutant_fired)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -442,25 +474,26 @@ def _write_json(path: Path, data: Any) -> None:
 
 class HostAnswer(NamedTuple):
     """What the engine hosts of one run_engines call answered."""
-    results: dict[str, dict[str, Any]]   # run key -> generate's result, or {"error": None, "blocked": why}
+    results: dict[str, dict[str, Any]]   # engine key -> generate's result, or {"error": None, "blocked": why}
     v2_known: bool                       # whether a host got as far as v2_runner_blocker()
     v2_blocker: str | None               # what it said
+    probes: dict[str, str]               # declared defect (its repair's name) -> enginehooks.probe_defects' verdict
 
 
-def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
+def run_engines(engines: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
                 timeout_s: float) -> HostAnswer:
-    """Run each {"key", "llm", "prompts", "sampling"} through `generate` in an engine host
-    (`python -m specgate.vllmside.engine`), one engine at a time. A run may also carry "models"
-    ([architecture, name] pairs: it does not start where environment_block names one) and
-    "only_v2" (it does not start when v2_runner_blocker says why not); such a run's result is
-    {"error": None, "blocked": why}. A run that got no result (its engine child or the host
-    crashed or timed out) gets an error record, and a fresh host takes the rest. A timeout
-    (timeout_s per engine) ends the host and everything it started. The caller so never
-    imports vLLM: the host answers what needs it."""
+    """Run each engine {"key", "llm", "phases"} through `generate` in an engine host
+    (`python -m specgate.vllmside.engine`), one engine at a time. An engine may also carry
+    "models" ([architecture, name] pairs: it does not start where environment_block names one)
+    and "only_v2" (it does not start when v2_runner_blocker says why not); such an engine's
+    result is {"error": None, "blocked": why}. An engine that got no result (its engine child or
+    the host crashed or timed out) gets an error record, and a fresh host takes the rest. A
+    timeout (timeout_s per engine) ends the host and everything it started. The caller so never
+    imports vLLM: the host answers what needs it, the probes of declared defects among it."""
     workdir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
-    v2_known, v2_blocker = False, None
-    pending = list(runs)
+    v2_known, v2_blocker, probes = False, None, {}
+    pending = list(engines)
     while pending:
         attempt = len(list(workdir.glob("request-*.json")))
         request_path, result_path = workdir / f"request-{attempt}.json", workdir / f"result-{attempt}.json"
@@ -479,14 +512,14 @@ def run_engines(runs: list[dict[str, Any]], workdir: Path, *, env: dict[str, str
             why = f"{TIMED_OUT} ({timeout_s:.0f} s per engine) and was killed"
         answer = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"results": {}}
         if "v2_blocker" in answer:
-            v2_known, v2_blocker = True, answer["v2_blocker"]
+            v2_known, v2_blocker, probes = True, answer["v2_blocker"], answer["probes"]
         results.update({key: {**result, "process": attempt} for key, result in answer["results"].items()})
         pending = [r for r in pending if r["key"] not in results]
         if pending and why:  # the engine a child was running when it died gets the blame
             results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
                                                     "traceback": "", "pickle": None}}
             pending = pending[1:]
-    return HostAnswer(results, v2_known, v2_blocker)
+    return HostAnswer(results, v2_known, v2_blocker, probes)
 
 
 def _fork_until_done(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any], import_s: float,
@@ -509,6 +542,32 @@ def _fork_until_done(runs: list[dict[str, Any]], result_path: Path, answer: dict
     return 0
 
 
+def probe_in_child() -> dict[str, str]:
+    """enginehooks.probe_defects, run in a forked child: the probe registers vLLM's CPU kernel
+    overrides as an engine's worker does, which must not happen in the host before the repairs
+    are installed (the engines' workers register the repaired kernels)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 1
+        try:
+            os.write(write, json.dumps(enginehooks.probe_defects()).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, encoding="utf-8") as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not text:
+        why = f"unknown: the probe process ended with status {status} before answering"
+        return dict.fromkeys(enginehooks.REPAIRS, why)
+    return json.loads(text)
+
+
 # What `generate` and every engine start import (vLLM imports most of itself lazily).
 HOST_IMPORTS = ("vllm", "vllm.entrypoints.llm", "vllm.sampling_params", "vllm.inputs", "vllm.v1.worker.cpu_worker",
                 "vllm.v1.worker.cpu_model_runner")
@@ -528,7 +587,7 @@ def main(argv: list[str]) -> int:
     blocked = {r["key"]: why for r in runs
                if (why := environment_block(r.get("models", [])) or (r.get("only_v2") and v2_blocker))}
     answer: dict[str, Any] = {"results": {key: {"error": None, "blocked": why} for key, why in blocked.items()},
-                              "v2_blocker": v2_blocker, "stopped": None}
+                              "v2_blocker": v2_blocker, "probes": probe_in_child(), "stopped": None}
     _write_json(result_path, answer)   # a host that dies later still leaves this
     pending = [r for r in runs if r["key"] not in answer["results"]]
     architectures = [[a for a, _ in r.get("models", [])] + [draft_architecture(r["llm"])] for r in pending]
@@ -537,8 +596,9 @@ def main(argv: list[str]) -> int:
     inspection = inspect_in_background(list(dict.fromkeys(later)))
     gc.freeze()   # as after each engine (_generate_all); the children also share these pages unwritten
     import_s = round(time.monotonic() - started, 2)
-    enginehooks.install(record=any(r.get("record_drafts") for r in pending),
-                        repairs={r["repair"] for r in pending if r.get("repair")})
+    phases = [phase for r in pending for phase in r["phases"]]
+    enginehooks.install(record=any(p.get("record_drafts") for p in phases),
+                        repairs={p["repair"] for p in phases if answer["probes"].get(p.get("repair") or "") == enginehooks.PRESENT})
     mutant_fired = None
     mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.sessions.mutants)
     if mutant:

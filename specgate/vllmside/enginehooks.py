@@ -9,7 +9,11 @@
   tensor (what PR #55006 proposes).
 
 Both are installed once in the engine host (before any engine starts, so vLLM's CPU platform
-registers the wrapped kernel) and act only while `active(...)` says so for the running engine.
+registers the wrapped kernel) and act only while `active(...)` says so for the running phase.
+
+Whether the build under test has a declared defect is decided by its probe (`probe_defects`),
+on that build, in milliseconds: a repair is applied only where the probe finds its defect, so a
+build that fixed it is tested as built.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from contextlib import contextmanager
 from typing import Any
 
 REPAIRS = ("vllm-55005",)
+PRESENT, FIXED = "present", "fixed"     # a probe's verdicts; anything else is "changed: <what it saw>"
+SENTINEL = -7
 
 _state: dict[str, Any] = {"record": False, "repair": None}
 _order: list[str] = []                                  # request ids, in the order first scheduled
@@ -99,3 +105,43 @@ def _install_expand_repair() -> None:
 
     cpu_triton_utils._expand_kernel_impl = expand
     _installed.add("vllm-55005")
+
+
+def probe_55005() -> str:
+    """vLLM #55005 on this build: expand_batch_to_tokens (what the rejection sampler expands
+    temperatures and top-k with), after vLLM's CPU platform registered its kernel overrides as
+    a worker does, on a sentinel-filled output of each dtype the sampler expands (float32,
+    int32). PRESENT: an output still holds the sentinel; FIXED: both are the expansion."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    current_platform.register_triton_kernel_overrides()
+    cu_num_tokens = torch.tensor([1, 3, 4], dtype=torch.int32)
+    new_empty = torch.Tensor.new_empty
+    # expand_batch_to_tokens allocates its output with new_empty: filled here, an output the
+    # kernel never writes is seen, not read as whatever the memory held.
+    torch.Tensor.new_empty = lambda self, *a, **k: new_empty(self, *a, **k).fill_(SENTINEL)
+    inputs = [torch.tensor([0.5, 0.0, 3.0]), torch.tensor([2, 0, 3], dtype=torch.int32)]
+    try:
+        seen = [rejection_sampler.expand_batch_to_tokens(x, cu_num_tokens, 4, replace_from=0, replace_to=2)
+                for x in inputs]
+    finally:
+        torch.Tensor.new_empty = new_empty
+    wanted = []
+    for x in inputs:
+        wanted.append(torch.empty(4, dtype=x.dtype))
+        expand_in_torch(wanted[-1], x, cu_num_tokens, 0, 2)
+    if any(bool((out == SENTINEL).any()) for out in seen):
+        return PRESENT
+    if all(torch.equal(out, want) for out, want in zip(seen, wanted, strict=True)):
+        return FIXED
+    return f"changed: expand_batch_to_tokens gave {[out.tolist() for out in seen]}, not {[w.tolist() for w in wanted]}"
+
+
+PROBES = {"vllm-55005": probe_55005}
+
+
+def probe_defects() -> dict[str, str]:
+    """Each declared defect's probe verdict on this build, by the name of its repair."""
+    return {name: probe() for name, probe in PROBES.items()}

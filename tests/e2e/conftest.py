@@ -46,11 +46,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("target_fixture", runs.known_answer_targets(CONFIGS))
     elif kind == "sampling_target":
         metafunc.parametrize("target_fixture", runs.sampling_targets(CONFIGS))
+    elif kind == "sampling_release":
+        # The probe decides whether the build has the declared defect; one case's engine shows it
+        # end to end (the declaration's `evidence`), where the config is in this shard's plan.
+        declared = MANIFEST.e2e_settings.get("sampling", {}).get("known_defect", {})
+        metafunc.parametrize("sampling_case", [case for case in [declared.get("evidence")]
+                                               if case and case in runs.sampling_cases(CONFIGS)])
     elif kind.startswith("sampling"):
-        # ngram drafts too rarely at T > 0 for its release run to show #55005 every time (9 drafted
-        # tokens of 1536 measured), so a strict xfail there would flake; the other methods hold it.
         wanted = {"sampling_undrafted": lambda c: c.method == "ngram",
-                  "sampling_release": lambda c: c.method != "ngram",
                   "sampling_known_defect": lambda c: "known_defect" in c.raw["sampling"]}.get(kind, lambda c: True)
         metafunc.parametrize("sampling_case", runs.sampling_cases(
             c for c in CONFIGS if isinstance(c.raw.get("sampling"), dict) and wanted(c)))
@@ -75,7 +78,8 @@ class Plan:
     repair: str | None = None      # what the sampling engines run with (runs.defect_repair)
 
     def sampling_runs(self, case: str) -> tuple[runs.Run, runs.Run, runs.Run]:
-        """(speculation, the target alone, the release as built with the short request set)."""
+        """(speculation, the target alone, the build as built with the short request set: the
+        first phase of the speculation's engine, before any repaired phase)."""
         config_id, method = case.split("/")
         config = self.configs[config_id]
         spec = runs.sampling_run(config, method, self.repair)
@@ -171,24 +175,25 @@ class Result:
 
 
 class Engines:
-    """Runs every engine the selected tests need once, one at a time: when a test first
-    needs an engine, every pending engine runs, in as few processes as possible
-    (specgate.vllmside.engine.run_engines), in specgate.sessions.e2e.runs.process_order."""
+    """Starts every engine the selected tests need once, one at a time: when a test first needs
+    a phase, every pending engine runs with all its pending phases, in as few processes as
+    possible (specgate.vllmside.engine.run_engines), in specgate.sessions.e2e.runs.process_order."""
 
     def __init__(self, settings: planning.Settings, recorder: report.Recorder, workdir: Path,
                  pending: list[runs.Run], expected_to_fail: set[str], only_v2: set[str]) -> None:
         self.settings, self.recorder, self.workdir = settings, recorder, workdir
         self.pending, self.expected_to_fail, self.only_v2 = pending, expected_to_fail, only_v2
-        self.results: dict[str, Result | BaseException] = {}
-        self.blocked: dict[str, str] = {}   # run key -> why it cannot start here
+        self.results: dict[str, Result | BaseException] = {}   # phase key -> what it produced
+        self.blocked: dict[str, str] = {}   # phase key -> why its engine cannot start here
         self.answered = False   # whether an engine host has said what blocks the V2 runner
         self._v2_blocker: str | None = None
+        self._probes: dict[str, str] = {}
 
     def result(self, run: runs.Run) -> Result:
         self._ensure(run)
         outcome = self.results[run.key]
         if isinstance(outcome, BaseException):
-            raise outcome  # every test that needs this engine reports its error
+            raise outcome  # every test that needs this phase reports its error
         return outcome
 
     def blocked_reason(self, run: runs.Run) -> str | None:
@@ -199,56 +204,82 @@ class Engines:
     def v2_blocker(self) -> str | None:
         """Why vLLM picks the V1 runner here (specgate.vllmside.engine.v2_runner_blocker), from the
         engine host, which starts now for the pending engines if none has answered yet."""
+        self._answer()
+        return self._v2_blocker
+
+    def probe(self, repair: str) -> str:
+        """The build's verdict on the declared defect `repair` mends (specgate.vllmside.enginehooks
+        probe_defects), from the engine host."""
+        self._answer()
+        return self._probes.get(repair, "unknown: no engine host ran")
+
+    def _answer(self) -> None:
         if not self.answered and self.pending:
             self._generate(self._take_pending())
-        return self._v2_blocker
 
     def _ensure(self, run: runs.Run) -> None:
         if run.key not in self.results and run.key not in self.blocked:
             self._generate(self._take_pending(run))
 
-    def _take_pending(self, *also: runs.Run) -> list[runs.Run]:
-        group = runs.process_order([*self.pending, *also], self.expected_to_fail)
+    def _take_pending(self, *also: runs.Run) -> list[list[runs.Run]]:
+        engines = runs.process_order([*self.pending, *also], self.expected_to_fail)
         self.pending = []
-        return group
+        return engines
 
-    def _generate(self, group: list[runs.Run]) -> None:
+    def _phase_request(self, run: runs.Run) -> tuple[dict[str, Any], tuple[list[Any], int, list[runs.Request] | None]]:
+        """What the engine host needs for one phase, and (prompts, max_tokens, requests) for its Result."""
+        phase: dict[str, Any] = {"key": run.key, "batch": runs.batch_size(run, self.settings)}
+        if run.requests:
+            sampled = runs.sampling_requests(run, self.settings)
+            phase.update(prompts=[r.prompt for r in sampled], sampling=[r.params for r in sampled],
+                         repeat=runs.repeated(sampled) if run.requests in runs.ONE_BATCH else [],
+                         record_drafts=run.method != "none", repair=run.repair)
+            return phase, ([r.prompt for r in sampled], max(r.params["max_tokens"] for r in sampled), sampled)
+        prompts, max_tokens = runs.prompts_for(run, self.settings)
+        phase.update(prompts=prompts, sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+                                                "logprobs": self.settings.num_logprobs})
+        return phase, (prompts, max_tokens, None)
+
+    def _generate(self, engines: list[list[runs.Run]]) -> None:
         requests, inputs = [], {}
-        for run in group:
-            request: dict[str, Any] = {"key": run.key, "llm": runs.llm_kwargs(run, self.settings),
-                                       "models": runs.models(run), "only_v2": run.key in self.only_v2}
-            if run.requests:
-                sampled = runs.sampling_requests(run, self.settings)
-                inputs[run.key] = ([r.prompt for r in sampled], max(r.params["max_tokens"] for r in sampled), sampled)
-                request.update(prompts=[r.prompt for r in sampled], sampling=[r.params for r in sampled],
-                               repeat=runs.repeated(sampled) if run.requests in (runs.SAMPLED, runs.TOP_P_ONLY) else [],
-                               record_drafts=run.method != "none", repair=run.repair)
-            else:
-                prompts, max_tokens = runs.prompts_for(run, self.settings)
-                inputs[run.key] = (prompts, max_tokens, None)
-                request.update(prompts=prompts, sampling={"temperature": 0.0, "max_tokens": max_tokens,
-                                                          "ignore_eos": True, "logprobs": self.settings.num_logprobs})
+        for phases in engines:
+            first = phases[0]
+            request: dict[str, Any] = {"key": first.engine_key, "llm": runs.llm_kwargs(phases, self.settings),
+                                       "models": runs.models(first), "phases": [],
+                                       "only_v2": all(r.key in self.only_v2 for r in phases)}
+            for run in phases:
+                phase, inputs[run.key] = self._phase_request(run)
+                request["phases"].append(phase)
             requests.append(request)
         env = pytestrun.child_env(self.settings.child_env())
         answer = engine.run_engines(requests, self.workdir / f"group-{len(self.results) + len(self.blocked)}",
                                     env=env, timeout_s=self.settings.engine_timeout_s)
         if not self.answered and answer.v2_known:
-            self.answered, self._v2_blocker = True, answer.v2_blocker
-        for run in group:
-            data = answer.results[run.key]
+            self.answered, self._v2_blocker, self._probes = True, answer.v2_blocker, answer.probes
+        for phases in engines:
+            data = answer.results[phases[0].engine_key]
             if data.get("blocked"):
-                self.blocked[run.key] = data["blocked"]
+                self.blocked.update((run.key, data["blocked"]) for run in phases)
                 continue
-            error = engine.relay(data["error"]) if data["error"] else None
-            self.recorder.write("engine", key=run.key, **report.run_identity(run), runner=data.get("runner"),
-                                compilation=data.get("compilation"), compile_counters=data.get("compile_counters"),
-                                counters=data.get("counters"),
-                                error=f"{type(error).__name__}: {error}".splitlines()[0] if error else None,
-                                **{k: data.get(k)
-                                   for k in ("process", "import_s", "init_s", "generate_s", "shutdown_s")},
-                                **{k: data[k] for k in ("mutant_fired",) if k in data})   # only under nox -s mutants
-            prompts, max_tokens, sampled = inputs[run.key]
-            self.results[run.key] = error if error is not None else Result(run, prompts, max_tokens, data, sampled)
+            self.recorder.write("engine", **report.engine_record(phases, data))
+            for run in phases:
+                self.results[run.key] = self._phase_result(run, data, inputs[run.key])
+
+    @staticmethod
+    def _phase_result(run: runs.Run, data: dict[str, Any],
+                      inputs: tuple[list[Any], int, list[runs.Request] | None]) -> Result | BaseException:
+        """A phase's Result, or the error that kept it from one: its engine's, its own, or the
+        earlier phase's that ended the engine before it ran."""
+        if data["error"]:
+            return engine.relay(data["error"])
+        phase = data["phases"].get(run.key)
+        if phase is None:
+            failed = next(key for key, p in data["phases"].items() if p["error"])
+            return engine.EngineProcessError(f"not run: an earlier phase of its engine failed ({failed})")
+        if phase["error"]:
+            return engine.relay(phase["error"])
+        engine_level = {k: data.get(k) for k in ("runner", "compilation", "compile_counters")}
+        return Result(run, *inputs[:2], {**phase, **engine_level}, inputs[2])
 
 
 def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[runs.Run], set[str], set[str]]:

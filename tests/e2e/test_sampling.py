@@ -12,11 +12,11 @@ loudly the day a build no longer has the defect. Every row records its statistic
 from __future__ import annotations
 
 import pytest
-from test_spec_decode import _generate, _raise_as_declared, expect_declared_defect
+from test_spec_decode import _generate, declared_defect_fixed, expect_declared_defect
 
 from specgate.core import build
 from specgate.sessions.e2e import compare, report, runs, sampling
-from specgate.vllmside import knownanswer
+from specgate.vllmside import enginehooks, knownanswer
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ def _require(test: dict, what: str, want_power: float | None = None) -> None:
 
 def _case(plan, engines, sampling_case: str, row: dict):
     spec_run, base_run, _ = plan.sampling_runs(sampling_case)
-    row.update(report.run_identity(spec_run), case=sampling_case, repair=spec_run.repair)
+    row.update(report.run_identity(spec_run), case=sampling_case)
     return _generate(engines, plan, spec_run, row), spec_run
 
 
@@ -168,7 +168,7 @@ def test_sampling_spec_vs_target(sampling_case, plan, engines, row):
     """Two-sample test of the target alone against the target with speculation, on the same
     seeded requests: needs no analytic answer (the power is recorded, not required)."""
     result, run = _case(plan, engines, sampling_case, row)
-    base = _generate(engines, plan, run.baseline(), {})
+    base = _generate(engines, plan, run.baseline(), row, measured=False)
     alpha, tv, _ = _bounds(plan)
     spec_values, _ = _offsets(result, ("sampled",))
     base_values, _ = _offsets(base, ("sampled",))
@@ -192,9 +192,9 @@ def test_sampling_spec_vs_target_text(config_id, plan, engines, row):
                     f"test has no power on either; test_sampling_spec_vs_target covers {config.method} on the "
                     f"spread fixtures")
     base_run, spec_run = found
-    row.update(report.run_identity(spec_run), repair=spec_run.repair)
+    row.update(report.run_identity(spec_run))
     spec = _generate(engines, plan, spec_run, row)
-    base = _generate(engines, plan, base_run, {})
+    base = _generate(engines, plan, base_run, row, measured=False)
     assert spec.counters["drafted_tokens"] > 0, f"{config.method} drafted no tokens; the test would be vacuous"
     alpha, tv, _ = _bounds(plan)
     test = sampling.two_sample_continuations(_continuations(base), _continuations(spec), alpha, tv)
@@ -212,7 +212,7 @@ def test_sampling_seeded_determinism(sampling_case, plan, engines, row):
     """The same per-request seeds give the same tokens when generated again, with and without
     speculation."""
     result, run = _case(plan, engines, sampling_case, row)
-    base = _generate(engines, plan, run.baseline(), {})
+    base = _generate(engines, plan, run.baseline(), row, measured=False)
     changed = []
     for label, r in (("speculation", result), ("target alone", base)):
         repeat = runs.repeated(r.requests)
@@ -227,7 +227,7 @@ def test_sampling_undrafted_match_target(sampling_case, plan, engines, row):
     """A seeded request that never got a draft (ngram finds no match) generates exactly what
     the target alone generates with that seed: verification draws nothing for it."""
     result, run = _case(plan, engines, sampling_case, row)
-    base = _generate(engines, plan, run.baseline(), {})
+    base = _generate(engines, plan, run.baseline(), row, measured=False)
     undrafted = [i for i, r in enumerate(result.requests)      # the baseline has the same sampled requests
                  if r.role == "sampled" and not (result.request_metrics[i] or {}).get("num_draft_tokens")]
     drafted = [i for i, r in enumerate(result.requests) if (result.request_metrics[i] or {}).get("num_draft_tokens")]
@@ -240,33 +240,43 @@ def test_sampling_undrafted_match_target(sampling_case, plan, engines, row):
 
 
 @pytest.mark.configs("sampling_release")
-def test_sampling_release(sampling_case, plan, engines, row, request):
-    """The release as built, sampled requests only. Where the manifest declares vLLM #55005 for
-    this build's version it is a strict xfail citing the issue (the repaired engines carry the other
-    checks); it fails the day the build no longer has the defect."""
+def test_sampling_release(sampling_case, plan, engines, row):
+    """The sampling defect the manifest declares for this build's version (vLLM #55005), decided by
+    its probe on this build (specgate.vllmside.enginehooks.probe_defects) and shown end to end by
+    the case's engine as built (sampled requests only, before any repaired phase). Present: an
+    xfail citing the issue, while the repaired phases carry the other checks; fixed: every
+    sampling check ran as built, this one passes and its row says to remove the declaration."""
     if not plan.repair:
         pytest.skip(f"vLLM {build.version_under_test()} is not declared to have the sampling defect "
                     "([e2e.sampling.known_defect] versions): every sampling check ran on the build as built")
     _, _, run = plan.sampling_runs(sampling_case)
     defect = plan.settings.sampling.defect
-    row.update(report.run_identity(run), case=sampling_case, expected_failure=defect["issue"])
-    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
-                                          reason=f"{defect['issue']}: {defect['reason']}"))
+    probe = engines.probe(defect["repair"])
+    row.update(report.run_identity(run), case=sampling_case, probe=probe)
     result = _generate(engines, plan, run, row)
     alpha, tv, _ = _bounds(plan)
     values, design = _offsets(result, ("sampled",))
     test = sampling.goodness_of_fit(values, design, alpha, tv)
     _record(row, "distribution", test, run)
-    _require(test, f"{sampling_case} as released")
+    if probe == enginehooks.FIXED:
+        _require(test, f"{sampling_case} as built, where the probe found {defect['issue']} fixed")
+        declared_defect_fixed(row, "manifest.toml ([e2e.sampling.known_defect])")
+        return
+    assert probe == enginehooks.PRESENT, f"{defect['issue']}'s probe: {probe}"
+    assert not test["passed"], (f"the probe found {defect['issue']} on this build, yet {sampling_case} sampled as "
+                                f"designed as built (p = {test['p_value']:.3g}): the probe and the engine disagree")
+    row.update(expected_failure=defect["issue"], defect_status="present")
+    pytest.xfail(f"{defect['issue']}: {defect['reason']}")
 
 
 @pytest.mark.configs("sampling_known_defect")
-def test_sampling_known_defect(sampling_case, plan, engines, row, request):
+def test_sampling_known_defect(sampling_case, plan, engines, row):
     """A vLLM defect on this config's sampling path the manifest declares (its `sampling.known_defect`):
-    a strict xfail on its exact symptom, on requests that reach it; the config's other sampling
-    checks run without those requests. It fails the day the defect is fixed."""
+    an xfail on its exact symptom, on requests that reach it (the last phase of the config's
+    engine: it ends the engine); the config's other sampling checks run without those requests.
+    The day a build no longer shows it, the test passes and its row says the defect is fixed."""
     config_id, _ = sampling_case.split("/")
     defect = plan.configs[config_id].sampling["known_defect"]
     run = plan.sampling_defect_run(sampling_case)
-    row.update(report.run_identity(run), case=sampling_case, expected_failure=expect_declared_defect(request, defect))
-    _raise_as_declared(defect, lambda: _generate(engines, plan, run, row))
+    row.update(report.run_identity(run), case=sampling_case)
+    expect_declared_defect(row, defect, lambda: _generate(engines, plan, run, row))

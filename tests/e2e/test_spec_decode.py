@@ -7,8 +7,6 @@ starts are shared.
 
 from __future__ import annotations
 
-import builtins
-
 import pytest
 
 from specgate.sessions.e2e import compare, report, runs
@@ -17,18 +15,22 @@ from specgate.vllmside import engine, knownanswer
 pytestmark = pytest.mark.e2e
 
 
-def _generate(engines, plan, run: runs.Run, row: dict):
-    """The engine's results, after checking it compiled the way the session requires."""
+def _generate(engines, plan, run: runs.Run, row: dict, *, measured: bool = True):
+    """The phase's results, after checking its engine compiled the way the session requires. The
+    row records the phase among the engines the test read; with `measured` (the phase the test is
+    about, not a baseline it compares with) also its runner, acceptance and applied repair."""
     blocked = engines.blocked_reason(run)
     if blocked:
         pytest.skip(blocked)
+    row.setdefault("engines", []).append(run.key)
     result = engines.result(run)
-    if run.method != "none":
+    if measured and run.method != "none":
         row.update(runner=result.runner, **result.acceptance())
     else:
         row.setdefault("runner", result.runner)
+    if measured and run.requests:
+        row["repair"] = result.data["repair"]
     row["compilation"] = result.compilation
-    row.setdefault("engines", []).append(run.key)
     want = plan.settings.compile_backend
     assert result.compilation["mode"] != "NONE" and result.compilation["backend"] == want, (
         f"engine [{run.key}] ran with compilation {result.compilation}; the session requires torch.compile "
@@ -95,7 +97,7 @@ def test_known_answer(config_id, plan, engines, row):
     floor = config.known_answer["floor"]
     row.update(report.run_identity(run), threshold=floor)
     spec = _generate(engines, plan, run, row)
-    base = _generate(engines, plan, run.baseline(), {})
+    base = _generate(engines, plan, run.baseline(), row, measured=False)
     expected = _expected(spec)
     differ = compare.token_mismatches(expected, spec.token_ids, ("analytic", config.method))
     row["matches_expected"] = not differ
@@ -129,7 +131,7 @@ def test_v1_matches_baseline(config_id, plan, engines, row):
     config = plan.configs[config_id]
     run = runs.spec_run(config)
     row.update(report.run_identity(run), threshold=config.threshold)
-    base = _generate(engines, plan, run.baseline(), {})
+    base = _generate(engines, plan, run.baseline(), row, measured=False)
     spec = _generate(engines, plan, run, row)
     row["matches_baseline"] = spec.token_ids == base.token_ids
     assert spec.runner == "v1", f"expected the V1 runner, the engine ran {spec.runner}"
@@ -207,9 +209,9 @@ def test_one_token_prompt(config_id, plan, engines, row):
 
 
 @pytest.mark.configs("known_defect")
-def test_known_defect(config_id, plan, engines, row, request):
-    """A vLLM CPU defect the manifest declares: strict xfail on its exact symptom, so the
-    test fails the day the defect is fixed (remove the declaration then)."""
+def test_known_defect(config_id, plan, engines, row):
+    """A vLLM CPU defect the manifest declares: an xfail on its exact symptom; the day a build no
+    longer shows it the test passes and its row says the defect is fixed (remove the declaration)."""
     config = plan.configs[config_id]
     defect = config.known_defect
     run = runs.spec_run(config)
@@ -217,22 +219,27 @@ def test_known_defect(config_id, plan, engines, row, request):
     blocked = engines.blocked_reason(run)
     if blocked:
         pytest.skip(blocked)
-    row["expected_failure"] = expect_declared_defect(request, defect)
-    _raise_as_declared(defect, lambda: _generate(engines, plan, run, row))
+    expect_declared_defect(row, defect, lambda: _generate(engines, plan, run, row))
 
 
-def expect_declared_defect(request, defect: dict) -> str:
-    """Mark the test a strict xfail on the manifest's declared defect; returns its reason."""
+def expect_declared_defect(row: dict, defect: dict, start) -> None:
+    """Run `start` against a declared defect: its exception with its symptom is an xfail; the same
+    exception without the symptom, or another error, fails; no error means the build fixed it."""
     reason = f"{defect['symptom']}: {defect['reason']}"
-    request.applymarker(pytest.mark.xfail(strict=True, reason=reason, raises=getattr(builtins, defect["raises"])))
-    return reason
-
-
-def _raise_as_declared(defect: dict, start) -> None:
-    """Run `start`; the declared exception type without the declared symptom is another failure."""
+    row["expected_failure"] = reason
     try:
         start()
     except Exception as exc:
-        if type(exc).__name__ == defect["raises"] and defect["symptom"] not in str(exc):
+        if type(exc).__name__ != defect["raises"]:
+            raise
+        if defect["symptom"] not in str(exc):
             raise AssertionError(f"{defect['raises']} without the declared symptom: {exc}") from exc
-        raise
+        row["defect_status"] = "present"
+        pytest.xfail(reason)
+    declared_defect_fixed(row, "manifest.toml")
+
+
+def declared_defect_fixed(row: dict, where: str) -> None:
+    """The row of a declared defect this build no longer has: the test passes, and says so."""
+    row.update(expected_failure=None, defect_status=report.FIXED,
+               note=f"the declared defect no longer reproduces on this build: remove its declaration from {where}")

@@ -39,7 +39,7 @@ class Sampling:
     text_requests: int              # the two-sample check on a config's own checkpoints: requests,
     text_max_tokens: int            # and tokens in each (one continuation is one draw)
     prompts: list[list[int]]        # cycled over the requests
-    defect: dict[str, Any] | None   # {"issue", "reason", "versions" (a PEP 440 specifier), "repair"}
+    defect: dict[str, Any] | None   # {"issue", "reason", "versions" (a PEP 440 specifier), "repair", "evidence"}
 
     @classmethod
     def parse(cls, manifest: Manifest, table: dict[str, Any]) -> Sampling:
@@ -84,8 +84,11 @@ def _sampling_defect(r: _Reader) -> dict[str, Any] | None:
         SpecifierSet(versions)
     except InvalidSpecifier:
         raise d.fail("versions", "a PEP 440 version specifier such as '>=0.31.0'", versions) from None
+    evidence = d.str("evidence")
+    if evidence.count("/") != 1:
+        raise d.fail("evidence", "a sampling case, <config id>/<draft sample method>", evidence)
     return {"issue": d.str("issue"), "reason": d.str("reason"), "versions": versions,
-            "repair": d.str("repair", choices=("vllm-55005",))}
+            "repair": d.str("repair", choices=("vllm-55005",)), "evidence": evidence}
 
 
 def declared_for(defect: dict[str, Any] | None, version: str | None) -> bool:

@@ -14,6 +14,7 @@ from specgate.sessions import pytestrun
 from specgate.sessions.e2e.runs import Run
 
 RECORDS_VAR = "SPECGATE_E2E_RECORDS"
+FIXED = "fixed"   # a declared defect's test whose defect no longer reproduces (its row's defect_status)
 # What each test entry carries beside the common nodeid/outcome/cause/reason/time_s.
 MEASURED_FIELDS = ("method", "model_source", "target", "draft", "revision", "runner", "drafts", "drafted_tokens",
                    "accepted_tokens", "acceptance_len", "threshold", "matches_baseline")
@@ -89,8 +90,32 @@ def _outcome(result: pytestrun.TestResult, row: dict[str, Any]) -> str:
     return result.outcome
 
 
-def engine_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "kind"} for r in records if r.get("kind") == "engine"]
+def engine_record(phases: Sequence[Run], data: dict[str, Any]) -> dict[str, Any]:
+    """One engine start as records.jsonl keeps it: what it loaded, its times, and each phase it
+    ran (requests, the repair applied, generate time, what speculation counted, its error)."""
+    ran = data.get("phases") or {}
+    return {"key": phases[0].engine_key, **run_identity(phases[0]), "error": _first_line(data["error"]),
+            **{k: data.get(k) for k in ("runner", "compilation", "compile_counters", "process", "import_s", "init_s",
+                                        "shutdown_s")},
+            "generate_s": round(sum(p.get("generate_s") or 0 for p in ran.values()), 2),
+            "phases": [{"key": run.key, "requests": run.requests or "greedy", "ran": run.key in ran,
+                        **{k: ran.get(run.key, {}).get(k) for k in ("repair", "generate_s", "counters")},
+                        "error": _first_line(ran.get(run.key, {}).get("error")),
+                        **{k: ran[run.key][k] for k in ("mutant_fired",) if k in ran.get(run.key, {})}}  # under nox -s mutants
+                       for run in phases]}
+
+
+def _first_line(error: dict[str, Any] | None) -> str | None:
+    return f"{error['type']}: {error['message']}".splitlines()[0] if error else None
+
+
+def engine_rows(records: Sequence[dict[str, Any]], tests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per engine start, with the tests that read each (`checks`)."""
+    rows = [{k: v for k, v in r.items() if k != "kind"} for r in records if r.get("kind") == "engine"]
+    for row in rows:
+        keys = {phase["key"] for phase in row["phases"]}
+        row["checks"] = [t["nodeid"] for t in tests if keys & set(t.get("engines") or ())]
+    return rows
 
 
 def compile_backend(engines: Sequence[dict[str, Any]]) -> str | None:
@@ -116,11 +141,17 @@ def format_report(rows: Sequence[dict[str, Any]], engines: Sequence[dict[str, An
     reasons = [f"  {_short_test(r['nodeid'])}: {r['reason']}" for r in rows if r["outcome"] != "passed" and r["reason"]]
     if reasons:
         lines += ["", "reasons:", *reasons]
+    fixed = [f"  {_short_test(r['nodeid'])}: {r.get('note')}" for r in rows if r.get("defect_status") == FIXED]
+    if fixed:
+        lines += ["", "declared defects that no longer reproduce (remove their declarations):", *fixed]
     if engines:
         lines += ["", "engine starts:", artifacts.format_rows(
-            ["engine", "process", "runner", "compile", "import_s", "start_s", "generate_s", "shutdown_s", "error"],
+            ["engine", "process", "runner", "compile", "import_s", "start_s", "phases", "generate_s", "shutdown_s",
+             "checks", "error"],
             [[e["key"], e.get("process"), e.get("runner"), _compile(e), e.get("import_s"), e.get("init_s"),
-              e.get("generate_s"), e.get("shutdown_s"), e.get("error")] for e in engines])]
+              len(e["phases"]), e.get("generate_s"), e.get("shutdown_s"),
+              len(e.get("checks") or ()), e.get("error") or next((p["error"] for p in e["phases"] if p["error"]), None)]
+             for e in engines])]
         starts = [e["init_s"] for e in engines if e.get("init_s") is not None]
         if starts:
             lines.append(f"{len(starts)} engine starts: {sum(starts):.1f} s in all, "

@@ -1,9 +1,11 @@
-"""Engine runs: which engines each test reads (equal keys share one start), the order they
-start in, their LLM(...) arguments and prompts, and which configs each test covers."""
+"""Engine runs: which engine phases each test reads (equal keys are one phase), the engine each
+phase runs on (one start per engine key: a target, a drafter, k, the draft method and engine
+extras), the order engines start in and phases run in, their LLM(...) arguments and prompts,
+and which configs each test covers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +17,9 @@ DRAFT_MODEL_METHODS = ("eagle3", "dflash", "mtp")
 
 @dataclass(frozen=True)
 class Run:
-    """One engine: a target, a speculative configuration (method "none": none) and the
-    prompt set its target calls for. Runs with equal keys share one engine start."""
+    """One phase of an engine: a target, a speculative configuration (method "none": none), and
+    the requests (the prompt set its target calls for, or a sampling_requests kind) with the
+    repair they run under. Runs with equal engine keys share one engine start."""
     target: Model
     draft: Model | None
     method: str
@@ -31,15 +34,20 @@ class Run:
         return self.target.answer_rule is not None
 
     @property
-    def key(self) -> str:
+    def engine_key(self) -> str:
+        """The engine this phase runs on: what LLM(...) is built from."""
         parts = [self.target.ident, self.method]
         if self.method != "none":
             parts += [f"k={self.k}", *(f"{k}={v}" for k, v in self.speculative)]
         if self.draft:
             parts.insert(1, self.draft.ident)
-        parts += [f"{k}={v}" for k, v in self.engine]
-        parts += [f"requests={self.requests}"] * bool(self.requests) + [f"repair={self.repair}"] * bool(self.repair)
-        return " ".join(parts)
+        return " ".join(parts + [f"{k}={v}" for k, v in self.engine])
+
+    @property
+    def key(self) -> str:
+        """The phase: its engine, requests and repair."""
+        parts = [f"requests={self.requests}"] * bool(self.requests) + [f"repair={self.repair}"] * bool(self.repair)
+        return " ".join([self.engine_key, *parts])
 
     def baseline(self) -> Run:
         """The same target and requests with no speculation (engine keys that speculation needs
@@ -49,8 +57,25 @@ class Run:
 
 
 def spec_run(config: Config) -> Run:
+    """The config's method on its own checkpoints, or on its known-answer pair where fixture
+    stand-ins would load the same model classes (folds_into_known_answer)."""
+    if folds_into_known_answer(config):
+        return known_answer_run(config)
     return Run(config.target, config.draft, config.method, config.k,
                tuple(sorted(config.speculative.items())), tuple(sorted(config.engine.items())))
+
+
+def folds_into_known_answer(config: Config) -> bool:
+    """Whether a config on fixture stand-ins runs its checks on its known-answer pair instead:
+    where the pair has the stand-ins' architectures, the same vLLM code runs and the checks stay
+    the same, on a target whose every token is known (no second engine for random weights). A
+    stand-in of another architecture (Qwen3.5's GDN hybrid for MiMo's MTP) keeps its own engine."""
+    known = config.known_answer
+    if not known or config.model_source != "fixture":
+        return False
+    pairs = ((config.target, known["target"]), (config.draft, known["draft"]))
+    return all((ours is None) == (theirs is None) and (ours is None or ours.architecture == theirs.architecture)
+               for ours, theirs in pairs)
 
 
 def known_answer_run(config: Config) -> Run:
@@ -175,13 +200,23 @@ def known_answer_baseline_run(configs: Iterable[Config], fixture: str) -> Run:
     return Run(target, None, "none", 0)
 
 
-def process_order(runs: Iterable[Run], expected_to_fail: Set[str] = frozenset()) -> list[Run]:
-    """The order engines run in: baselines, then speculation, ngram after those (an ngram
-    engine loads numba, after which vLLM 0.32 CPU cannot start another engine in that
-    process: see specgate.vllmside.engine), engines expected to fail at the very end; by key within."""
-    unique = {r.key: r for r in runs}
-    return sorted(unique.values(), key=lambda r: (r.key in expected_to_fail, r.method == "ngram",
-                                                  r.method != "none", r.key))
+def process_order(runs: Iterable[Run], expected_to_fail: Set[str] = frozenset()) -> list[list[Run]]:
+    """The engines to start, each as its phases, in the order they run. Engines: baselines, then
+    speculation, ngram after those (an ngram engine loads numba, after which vLLM 0.32 CPU cannot
+    start another engine in that process: see specgate.vllmside.engine), an engine with a phase
+    expected to fail at the very end; by key within. Phases of an engine: those without a repair
+    first (memory a repaired phase wrote must not mask a defect), the one expected to fail last
+    (it ends the engine), by request kind within."""
+    engines: dict[str, dict[str, Run]] = {}
+    for run in runs:
+        engines.setdefault(run.engine_key, {})[run.key] = run
+    kinds = ("", TEXT, RELEASED, SAMPLED, TOP_P_ONLY, TOP_K)
+    ordered = [sorted(phases.values(), key=lambda r: (r.key in expected_to_fail, r.repair is not None,
+                                                      kinds.index(r.requests), r.key))
+               for phases in engines.values()]
+    return sorted(ordered, key=lambda phases: (any(r.key in expected_to_fail for r in phases),
+                                               phases[0].method == "ngram", phases[0].method != "none",
+                                               phases[0].engine_key))
 
 
 def models(run: Run) -> list[list[str]]:
@@ -201,8 +236,8 @@ def speculative_config(run: Run) -> dict[str, Any] | None:
 ONE_BATCH = (SAMPLED, TOP_P_ONLY)   # request kinds generated in a single batch, all at once
 
 
-def max_num_seqs(run: Run, settings: Settings) -> int:
-    """The engine's batch bound: the main sampling engines take all their requests in one batch
+def batch_size(run: Run, settings: Settings) -> int:
+    """Requests per generate call of a phase: the main sampling phases take all theirs in one batch
     (many short requests: steps, not tokens, are what an engine pays for on a tiny model); the
     rest keep [e2e] max_num_seqs, the declared defects' reproductions in the shape they were seen in."""
     if run.requests in ONE_BATCH:
@@ -210,13 +245,15 @@ def max_num_seqs(run: Run, settings: Settings) -> int:
     return settings.max_num_seqs
 
 
-def llm_kwargs(run: Run, settings: Settings) -> dict[str, Any]:
-    """LLM(...) arguments. No enforce_eager: the engine compiles (CPU: inductor)."""
+def llm_kwargs(phases: Sequence[Run], settings: Settings) -> dict[str, Any]:
+    """LLM(...) arguments of the engine the phases share, its batch bound the largest any phase
+    needs. No enforce_eager: the engine compiles (CPU: inductor)."""
+    run = phases[0]
     kwargs: dict[str, Any] = {
         "model": run.target.path,
         "dtype": settings.dtype,
         "max_model_len": settings.max_model_len,
-        "max_num_seqs": max_num_seqs(run, settings),
+        "max_num_seqs": max(batch_size(phase, settings) for phase in phases),
         "seed": 0,
         "disable_log_stats": False,
         **dict(run.engine),

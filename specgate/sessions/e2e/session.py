@@ -88,7 +88,7 @@ def run_tests(manifest: Manifest, session: str, plan: dict[str, Any], out: Path,
                                                   log=out / "pytest.log")
     recorded = Recorder(records).read()
     rows = merge_results(pytestrun.read_junit(junit) if junit.is_file() else [], recorded)
-    return TestRun(code, rows, engine_rows(recorded), env, round(wall_s, 2))
+    return TestRun(code, rows, engine_rows(recorded, rows), env, round(wall_s, 2))
 
 
 def _fixture_paths(plan: Any) -> list[Path]:

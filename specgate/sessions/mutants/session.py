@@ -109,7 +109,7 @@ def step(ctx: lifecycle.Context) -> int:
         code, rows, engines, *_ = run_tests(manifest, SESSION, plan, out / mutant.name,
                                             [*args.pytest_args, "-k", mutant.checks],
                                             {MUTANT_VAR: mutant.name})
-        fired = sum(e.get("mutant_fired") or 0 for e in engines)
+        fired = sum(p.get("mutant_fired") or 0 for e in engines for p in e["phases"])
         killed_by = _failed(rows) if fired else []
         record["mutants"].append({"name": mutant.name, "what": mutant.what, "why_real": mutant.why_real,
                                   "killed_by": killed_by, "timed_out": _lost(rows), "survived": not killed_by,
