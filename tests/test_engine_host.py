@@ -16,8 +16,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(key: str, model: str) -> dict:
-    return {"key": key, "llm": {"model": model, "max_model_len": 64}, "prompts": [[1, 2, 3]],
-            "sampling": {"max_tokens": 2, "temperature": 0}}
+    return {"key": key, "llm": {"model": model, "max_model_len": 64},
+            "phases": [{"key": f"{key} greedy", "prompts": [[1, 2, 3]], "sampling": {"max_tokens": 2, "temperature": 0}}]}
 
 
 def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once(tmp_path):
@@ -43,7 +43,8 @@ def test_a_child_killed_by_a_signal_ends_the_host_with_its_status(tmp_path, monk
     """run_engines then blames the engine the child was running (tests/ci covers that chain)."""
     # An engine the OOM killer took.
     monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: os.kill(os.getpid(), 9))
-    assert engine._fork_engines([_run("a", "x")], tmp_path / "result.json", {"results": {}}, None) == 128 + 9
+    assert engine._fork_engines([_run("a", "x")], tmp_path / "result.json", {"results": {}, "probes": {}},
+                                None) == 128 + 9
     assert not (tmp_path / "result.json").exists()
 
 
@@ -131,3 +132,30 @@ def test_an_engine_under_the_hosts_freeze_stays_collectable_and_the_frozen_heap_
         assert _young(module_state)
     finally:
         gc.unfreeze()
+
+
+def test_the_55005_probe_tells_the_release_from_a_build_with_the_fix(tmp_path):
+    """The probe on vLLM 0.32.0 as released finds #55005 (the expansion leaves its sentinel-filled
+    output untouched); with the expansion PR #55006 proposes in place of the released one, the
+    same probe finds it fixed. Each in a fresh vLLM process, as the engine host runs it."""
+    code = ("import json, sys\nfrom specgate.vllmside import enginehooks\n"
+            "if sys.argv[1] == 'fixed':\n"
+            "    from vllm.utils import cpu_triton_utils\n"
+            "    cpu_triton_utils._expand_kernel_impl = lambda o, i, c, f, t, MAX_NUM_TOKENS=None: "
+            "enginehooks.expand_in_torch(o, i, c, f, t)\n"
+            "print(json.dumps(enginehooks.probe_defects()))")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    verdicts = {}
+    for build in ("released", "fixed"):
+        out = subprocess.run([sys.executable, "-c", code, build], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        verdicts[build] = json.loads(out.stdout.splitlines()[-1])["vllm-55005"]
+    assert verdicts == {"released": "present", "fixed": "fixed"}
+
+
+def test_counters_since_gives_each_phase_what_it_added():
+    before = {"drafts": 3, "drafted_tokens": 9, "accepted_tokens": 4, "per_position": [2, 1]}
+    after = {"drafts": 5, "drafted_tokens": 15, "accepted_tokens": 7, "per_position": [3, 2, 1]}
+    assert engine.counters_since(before, after) == {"drafts": 2, "drafted_tokens": 6, "accepted_tokens": 3,
+                                                    "per_position": [1, 1, 1]}

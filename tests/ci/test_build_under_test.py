@@ -68,37 +68,34 @@ def test_the_same_wheel_repacked_without_a_change_passes(pinned_wheel, checkout,
     assert f"testing vLLM 0.32.0 ({unchanged.name}, id {data['vllm']['id']})" in proc.stdout
 
 
-def test_the_repaired_build_passes_the_sampling_checks_undeclared_and_its_release_xfail_fails(
+def test_the_repaired_build_passes_the_sampling_checks_as_built_and_says_the_declared_defect_is_fixed(
         pinned_wheel, checkout, tmp_path):
-    """The pinned wheel with #55006's change (tests/wheels.py): with vLLM #55005's declaration
-    removed from the manifest, the sampling distribution check passes on the build as built (no
-    runtime repair); under the real manifest, which still declares the defect for 0.32.0, its
-    release run XPASSes and the strict xfail turns that into a red step, naming the issue.
-    The first run samples less (SMALL_SAMPLES) to keep CI short; docs/sampling.md has the run
-    at the manifest's sizes."""
+    """The pinned wheel with #55006's change (tests/wheels.py), under the manifest that still
+    declares vLLM #55005 for 0.32.0: the probe finds it fixed, so no repair is applied, the
+    distribution check passes on the build as built, and the declared defect's test passes with
+    its row saying the defect is fixed (remove the declaration): exit 0, where the strict xfail
+    of before blocked the fix. The run samples less (SMALL_SAMPLES) to keep CI short;
+    docs/sampling.md has the run at the manifest's sizes."""
     repaired = wheels.repack(pinned_wheel, tmp_path / "repaired", edit=wheels.REPAIRED_55005,
                              note="vLLM #55006: _expand_kernel_impl expands into the caller's tensor")
     text = (checkout / "manifest.toml").read_text()
     for old, new in SMALL_SAMPLES.items():
         assert text.count(old) == 1, f"test drifted from manifest.toml: {old!r}"
         text = text.replace(old, new)
-    start = text.index("[e2e.sampling.known_defect]")
-    undeclared = tmp_path / "manifest.toml"
-    undeclared.write_text(text[:start] + text[text.index("[[e2e.configs]]", start):])
+    small = tmp_path / "manifest.toml"
+    small.write_text(text)
 
-    proc, data = gate_e2e(checkout, str(repaired), tmp_path, "test_sampling_distribution and eagle3-v1/greedy",
-                          {"SPECGATE_MANIFEST": str(undeclared)})
+    proc, data = gate_e2e(checkout, str(repaired), tmp_path,
+                          "eagle3-v1/greedy and (test_sampling_distribution or test_sampling_release)",
+                          {"SPECGATE_MANIFEST": str(small)})
     assert proc.returncode == 0, proc.stdout[-4000:]
-    [check] = [t for t in data["tests"] if t["outcome"] == "passed"]
-    assert check["nodeid"].endswith("test_sampling_distribution[eagle3-v1/greedy]")
-    engine = check["sampling"]["distribution"]["engine"]
-    assert "eagle3" in engine and "repair=" not in engine, engine
-
-    proc, data = gate_e2e(checkout, str(repaired), tmp_path, "test_sampling_release and eagle3-v1/greedy")
-    assert proc.returncode == 1, proc.stdout[-4000:]
-    [release] = data["tests"]
-    assert release["nodeid"].endswith("test_sampling_release[eagle3-v1/greedy]") and release["outcome"] == "failed"
-    assert "XPASS(strict)" in proc.stdout and "issues/55005" in proc.stdout, proc.stdout[-4000:]
+    rows = {t["nodeid"].split("::")[-1]: t for t in data["tests"]}
+    check = rows["test_sampling_distribution[eagle3-v1/greedy]"]
+    assert check["outcome"] == "passed" and check["repair"] is None, check
+    release = rows["test_sampling_release[eagle3-v1/greedy]"]
+    assert release["outcome"] == "passed" and release["probe"] == "fixed" and release["defect_status"] == "fixed"
+    assert "remove its declaration" in release["note"] and "no longer reproduce" in proc.stdout, proc.stdout[-4000:]
+    assert release["sampling"]["distribution"]["passed"]    # the as-built evidence agrees with the probe
 
 
 def tree_digest(root: Path) -> dict[str, str]:
