@@ -13,7 +13,9 @@ README_END = "<!-- end of bench table -->"
 def _value(entry: dict) -> str:
     if entry["value"] is None:
         return "not measured"
-    return f"{entry['value']:.3f}" if entry["unit"] == "x" else f"{entry['value']:.2f} s"
+    if entry["unit"] == "x":
+        return f"{entry['value']:.3f}"
+    return f"{entry['value']:.2f} s" if entry["unit"] == "s" else f"{entry['value']:g} {entry['unit']}"
 
 
 def _machine(report: dict[str, Any]) -> str:

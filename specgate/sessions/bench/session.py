@@ -23,7 +23,10 @@ pinned nox, from the repo root, the way .ci/run runs them:
   sampling_cost  e2e_sampling_cost_ratio: pytest wall of the whole fixture-mode cpu_e2e over that of
                  the same session without the sampling checks (-k "not test_sampling", what cpu_e2e
                  was before them), interleaved, warm compile cache, median of --runs
-  tests          tests_pytest_s: pytest wall of `nox -R -s tests` (the fast tier: all but tests/ci), one run
+  engine_start   (also) e2e_engine_starts: how many engines that cpu_e2e started
+  tests          tests_pytest_s, tests_fast_pytest_s: pytest wall of `nox -R -s tests` (all but tests/ci),
+                 then of its fast tier `-- -m "not vllm"` (no vLLM import, no fixture build), one run each
+  gate_fresh     gate_fresh_s: README's `-t gate` in a clone of HEAD with empty harness caches, one run
   classify       classify_35mb_s, classify_grep_35mb_s: scripts/classify_failure.py and upstream's
                  `grep -E` of its retry pattern on a 35 MB log (400,000 vLLM INFO lines, then an
                  offline cache miss from tests/logs), median of max(3, --runs); the run fails
@@ -66,7 +69,7 @@ from specgate.vllmside import buildenv, compilecache
 
 SESSION = "bench"
 FIGURES = ("unit_overhead", "warm_noop", "env_setup", "e2e_cache", "engine_start", "e2e_upstream", "sampling_cost",
-           "tests",
+           "tests", "gate_fresh",
            "classify", "fresh_clone")
 NOXW = REPO_ROOT / "scripts" / "noxw.py"
 MEMINFO = Path("/proc/meminfo")
@@ -104,20 +107,24 @@ class Goal:
             return {**entry, "verdict": "not measured", "reason": "not selected (--only)"}
         if figure.value is None:
             return {**entry, "verdict": "not measured", "reason": figure.reason}
-        return {**entry, "value": figure.value, "verdict": "met" if figure.value <= self.limit else "not met"}
+        # Met only when every sample meets it too: these machines run 1.5-2x slower an hour apart.
+        met = max([figure.value, *figure.samples]) <= self.limit
+        return {**entry, "value": figure.value, "verdict": "met" if met else "not met"}
 
 
 GOALS = (
     Goal("cpu_unit_overhead_ratio", 1.10, "cpu_unit under nox costs at most 10% more than bare pytest"),
     Goal("warm_cache_noop_s", 3.0, "warm_cache with everything present takes at most 3 s"),
     Goal("e2e_warm_cold_ratio", 0.6, "a warm compile cache brings cpu_e2e to at most 60% of cold"),
-    Goal("e2e_cold_s", 360.0, "fixture-mode cpu_e2e takes at most 6 min, even with a cold compile cache"),
-    Goal("e2e_vs_upstream_ratio", 1.0, "our cpu_e2e checks take no longer than upstream's one e2e file"),
-    Goal("e2e_warm_s", 90.0, "fixture-mode cpu_e2e takes at most 90 s with a warm compile cache"),
-    Goal("e2e_sampling_cost_ratio", 1.30, "the sampling checks make a warm cpu_e2e at most 30% longer"),
     Goal("e2e_cold_s", 180.0, "fixture-mode cpu_e2e takes at most 3 min with an empty compile cache"),
+    Goal("e2e_vs_upstream_ratio", 0.8, "our cpu_e2e checks, sampling included, take at most 0.8x upstream's one e2e file"),
+    Goal("e2e_warm_s", 90.0, "fixture-mode cpu_e2e takes at most 90 s with a warm compile cache"),
+    Goal("e2e_sampling_cost_ratio", 1.5, "the sampling checks make a warm cpu_e2e at most 50% longer"),
+    Goal("e2e_engine_starts", 8.0, "a default fixture-mode cpu_e2e starts at most 8 engines"),
     Goal("engine_start_warm_s", 4.0, "a tiny-model engine starts in at most 4 s with a warm compile cache"),
-    Goal("tests_pytest_s", 120.0, "the fast tier (nox -s tests: all but tests/ci) takes at most 120 s of pytest, warm"),
+    Goal("tests_pytest_s", 120.0, "nox -s tests (all but tests/ci) takes at most 120 s of pytest, warm"),
+    Goal("tests_fast_pytest_s", 60.0, "the contributor's loop, nox -s tests -- -m 'not vllm', takes at most 60 s of pytest"),
+    Goal("gate_fresh_s", 480.0, "README's -t gate in a fresh clone with empty harness caches takes at most 8 min"),
     Goal("fresh_clone_ci_s", 300.0, "a fresh clone gets through .ci/run in at most 5 min"),
     Goal("classify_35mb_s", 2.0, "a 35 MB log is classified in at most 2 s"),
 )
@@ -521,7 +528,10 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
     value = round(median(starts), 2)
     # engine_start_warm_s is the same median under the name the goal uses.
     return [Figure("engine_start_s", "s", value, starts, detail=detail),
-            Figure("engine_start_warm_s", "s", value, starts, detail={**detail, "note": "same as engine_start_s"})]
+            Figure("engine_start_warm_s", "s", value, starts, detail={**detail, "note": "same as engine_start_s"}),
+            Figure("e2e_engine_starts", "engines", float(len(starts)), [float(len(engine_starts(s))) for s in summaries],
+                   detail={"from": "cpu_e2e summary.json, engines[] with a start time, per run",
+                           "by_run": {s[BENCH_RUN]: len(engine_starts(s)) for s in summaries}})]
 
 
 UPSTREAM_ARGS = (*E2E_ARGS, "--upstream-e2e")
@@ -594,17 +604,27 @@ def sampling_cost(runner: Runner, runs: int, compile_root: Path, warm: bool) -> 
     return [figure, top, bottom]
 
 
+FAST_TIER = ("--", "-m", "not vllm")   # the contributor's loop: no vLLM import, no torch fixture build
+
+
 def tests_wall(runner: Runner) -> list[Figure]:
-    """pytest's wall time in one `nox -R -s tests` (a passing run: a failing one may skip work)."""
-    name = "tests_pytest_s"
+    """pytest's wall time in `nox -R -s tests`, then in its fast tier (`-- -m "not vllm"`); a
+    passing run each (a failing one may skip work)."""
     prep = prepare(runner, "tests")
-    if prep.problem:
-        return [Figure.missing(name, "s", prep.problem)]
-    sample, summary = runner.session("tests", "tests", ["-R", "-s", "tests"], env=shell_env(), ok_codes=(0,))
-    if sample.problem or summary is None or summary.get("pytest_wall_s") is None:
-        return [Figure.missing(name, "s", sample.problem or "the tests session recorded no pytest_wall_s")]
-    return [Figure(name, "s", summary["pytest_wall_s"], [summary["pytest_wall_s"]],
-                   detail={"command": "nox -R -s tests", "session_s": sample.seconds, "counts": summary["counts"]})]
+    figures = []
+    for name, extra in (("tests_pytest_s", ()), ("tests_fast_pytest_s", FAST_TIER)):
+        if prep.problem:
+            figures.append(Figure.missing(name, "s", prep.problem))
+            continue
+        args = ["-R", "-s", "tests", *extra]
+        sample, summary = runner.session(name, "tests", args, env=shell_env(), ok_codes=(0,))
+        if sample.problem or summary is None or summary.get("pytest_wall_s") is None:
+            figures.append(Figure.missing(name, "s", sample.problem or "the tests session recorded no pytest_wall_s"))
+            continue
+        figures.append(Figure(name, "s", summary["pytest_wall_s"], [summary["pytest_wall_s"]],
+                              detail={"command": "nox " + shlex.join(args), "session_s": sample.seconds,
+                                      "counts": summary["counts"]}))
+    return figures
 
 
 CLASSIFY_LINES = 400_000
@@ -655,6 +675,28 @@ def upstream_retry_pattern(script: Path) -> str:
         if line.startswith("OFFLINE_RETRY_PATTERN="):
             return shlex.split(line.partition("=")[2])[0]
     raise ValueError(f"{script} sets no OFFLINE_RETRY_PATTERN")
+
+
+def gate_fresh(runner: Runner) -> list[Figure]:
+    """README's `python3 scripts/noxw.py -t gate` in a clone of HEAD with empty harness caches
+    (fixtures, upstream trees, compile caches, venvs: a fresh machine's), the installer caches
+    as found; one run."""
+    name = "gate_fresh_s"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="specgate-bench-gate-") as tmp:
+        clone = Path(tmp) / "clone"
+        env = {**shell_env(), "SPECGATE_CACHE_DIR": str(Path(tmp) / "cache")}
+        env.pop("SPECGATE_ARTIFACTS", None)
+        steps = [runner.run("gate-fresh-git", ["git", "clone", "--quiet", "--no-hardlinks", str(REPO_ROOT),
+                                                str(clone)], env=env)]
+        if not steps[0].problem:
+            steps.append(runner.run("gate-fresh", ["python3", "scripts/noxw.py", "-t", "gate"], env=env, cwd=clone))
+        problem = first_problem(steps)
+        if problem:
+            return [Figure.missing(name, "s", problem, commit=commit)]
+    return [Figure(name, "s", round(steps[1].seconds, 2), [steps[1].seconds],
+                   detail={"commit": commit, "command": "python3 scripts/noxw.py -t gate",
+                           "caches": "SPECGATE_CACHE_DIR empty at start; installer caches as found"})]
 
 
 def fresh_clone(runner: Runner) -> list[Figure]:
@@ -755,6 +797,8 @@ def step(ctx: lifecycle.Context) -> int:
                 figures += sampling_cost(runner, args.runs, compile_root, warm=bool(e2e_summaries))
             elif figure == "tests":
                 figures += tests_wall(runner)
+            elif figure == "gate_fresh":
+                figures += gate_fresh(runner)
             elif figure == "classify":
                 figures += classify_speed(runner, args.runs)
             elif figure == "fresh_clone":
