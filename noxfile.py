@@ -35,7 +35,7 @@ def ci_jobs(session: nox.Session) -> None:
     run_module(session, "specgate.sessions.selftest")
 
 
-@nox.session(python=PYTHON, tags=["soak"])
+@nox.session(python=PYTHON, tags=["soak"], default=False)
 def ci_soak(session: nox.Session) -> None:
     """Run tests/ci's soak tests: five PR builds in a row on one agent's disk budget."""
     run_module(session, "specgate.sessions.selftest")

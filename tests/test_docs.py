@@ -150,3 +150,24 @@ def test_a_broken_file_or_anchor_is_reported(tmp_path):
         "'../outside.md': outside the repository",
         "'gone.md': gone.md does not exist",
     ]
+
+
+def _noxfile_defaults() -> dict[str, bool]:
+    """Each session of noxfile.py and whether a bare `nox` runs it (nox's default=True unless said)."""
+    import ast
+
+    found = {}
+    for node in ast.parse((REPO / "noxfile.py").read_text(encoding="utf-8")).body:
+        for decorator in getattr(node, "decorator_list", []):
+            if isinstance(decorator, ast.Call) and ast.unparse(decorator.func) == "nox.session":
+                default = next((k.value for k in decorator.keywords if k.arg == "default"), ast.Constant(True))
+                found[node.name] = bool(ast.literal_eval(default))
+    return found
+
+
+def test_the_sessions_a_bare_nox_runs_are_the_ones_the_readme_says():
+    """README's sessions table says, per session, whether `nox` runs it by default (yes/no)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("## Sessions"):text.index("### Session options")]
+    said = {m.group(1): m.group(2) == "yes" for m in re.finditer(r"^\| `(\w+)` \|.*\| (yes|no)\b[^|]*\|$", table, re.M)}
+    assert said and said == _noxfile_defaults()
