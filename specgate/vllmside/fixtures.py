@@ -570,7 +570,7 @@ def build_dflash_random(p: dict[str, Any]) -> Built:
 # nearly-constant pair 31 supplies -c, placed halfway between f's peak and its next-highest value.
 DFLASH_KERNEL = {0: 0.8, 2: 0.2}
 DFLASH_CONST_PAIR = 31
-DFLASH_LOGIT_MARGIN = 24.0
+DFLASH_LOGIT_MARGIN = 64.0
 
 
 def _rope_freq(pair: int) -> float:
@@ -601,10 +601,14 @@ def build_dflash_successor(p: dict[str, Any]) -> Built:
       is +margin for the key exactly h positions back and <= -margin for every other key in the
       block, so it reads the token h back when that is in the block, else the zero context.
     - Slot j thus gets from head h: the mask token (h < j), x (h = j), nothing (h > j). o_proj
-      writes head h's token t to residual dim t + h with weight 3 h. Dim x + j gets 3 j and no
-      other dim gets more than max(CONTEXT_EMBED, 3 (j - 1)) (the slot's own embedding, the
-      masks' dims), so after the final norm the identity lm_head peaks at x + j. The MLP
-      output is zero.
+      writes head h's token t to residual dim t + h with weight w_h = 1024 * 256^(h - 1). Dim
+      x + j gets w_j and every other dim at most max(CONTEXT_EMBED, w_(j-1)) (the slot's own
+      embedding, the masks' dims), so after the final norm the identity lm_head peaks at x + j.
+      The MLP output is zero.
+    - The spread target's lm_head also scores a + 1 at 23.5 / 24 of a for every residual dim a,
+      so a dim next to x + j must stay under 1/48 of it: w_j / w_(j-1) = 256 and w_1 / CONTEXT_EMBED
+      = 512 keep the draft exact there too (margin >= 0.43 of the design's 0.5), and the 64-logit
+      attention margin keeps what a head with nothing to read leaks (e^-64 of a value) below that.
     """
     import torch
 
@@ -641,7 +645,7 @@ def build_dflash_successor(p: dict[str, Any]) -> Built:
         for h in range(1, k_max + 1):
             column = (c * k_max + h - 1) * HEAD_DIM
             for d in range(HEAD_DIM):
-                o_proj[(c * HEAD_DIM + d + h) % VOCAB, column + d] = 3.0 * h
+                o_proj[(c * HEAD_DIM + d + h) % VOCAB, column + d] = 1024.0 * 256.0 ** (h - 1)
     tensors[f"{layer}self_attn.o_proj.weight"] = o_proj
     tensors[f"{layer}mlp.down_proj.weight"].zero_()
     tensors["fc.weight"].zero_()
