@@ -183,6 +183,7 @@ def test_cpu_e2e_leases_every_fixture_its_plan_names():
                                                 Path(f"{root}/eagle3-bbb")]
 
 
+@pytest.mark.vllm
 def test_warm_cache_prunes_first_and_never_what_a_running_session_holds(tmp_path):
     """The job's first session keeps the agent's caches in bounds: an entry unused for 40 days
     goes, one as old that a builder is writing stays (and is reported busy; a lease would have
@@ -220,6 +221,7 @@ def test_two_prunes_at_once_end_cleanly(caches):
     assert [e.path for e in pruned.removed] == [old] and pruned.busy == []
 
 
+@pytest.mark.vllm
 def test_warm_cache_never_prunes_the_fixtures_it_is_about_to_warm(tmp_path):
     """Under a budget nothing fits (1 KiB), warm_cache's prune removes every other entry but
     leaves the manifest's own fixtures (leased first: this job warms them next), so none is

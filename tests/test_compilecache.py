@@ -111,6 +111,7 @@ def test_entry_is_created_under_the_lock(cache_dir):
     assert (cache_dir / key / "factors.json").is_file()
 
 
+@pytest.mark.vllm
 def test_vllm_and_torch_read_these_variables(cache_dir):
     """The variable names are the ones vLLM 0.32 (vllm.envs) and torch (inductor's cache_dir) read."""
     env = compilecache.compile_cache_env()

@@ -43,6 +43,7 @@ def session(module: str, *args: str, env: dict[str, str], run_id: str = "") -> s
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.vllm
 def test_a_full_cache_disk_is_env_blocked_and_leaves_no_half_built_fixture(tmp_path):
     with tmpfs(tmp_path / "cache", "4m") as cache:
         proc = session("specgate.sessions.warm", "--model-source", "fixture",

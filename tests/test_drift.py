@@ -226,6 +226,7 @@ def _engine_run_output(junit: Path, records: Path, acceptance_len: float, rates:
     records.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
+@pytest.mark.vllm   # resolves the plan: builds the fixtures on a cold cache
 @pytest.mark.parametrize("with_history", [False, True])
 def test_the_session_fails_a_regression_only_when_it_has_history(tmp_path, monkeypatch, capsys, with_history):
     """`nox -s cpu_e2e -- --model-source fixture -k eagle3-v1 [--history DIR]` on this machine, its

@@ -4,7 +4,6 @@ per-position acceptance, the summary merge and the exit codes."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import re
@@ -162,7 +161,8 @@ def test_one_engine_serves_every_phase_of_its_configuration_the_repaired_ones_la
     assert len({r.engine_key for r in order[1]}) == 1 and greedy.engine_key != probabilistic.engine_key
     settings = planning.Settings.parse(m.load())
     kwargs = runs.llm_kwargs(order[1], settings)
-    assert kwargs["max_num_seqs"] == runs.batch_size(sampled, settings) == len(runs.sampling_requests(sampled, settings))
+    batch = len(runs.sampling_requests(sampled, settings))
+    assert kwargs["max_num_seqs"] == runs.batch_size(sampled, settings) == batch
     assert runs.batch_size(top_k, settings) == runs.batch_size(greedy, settings) == settings.max_num_seqs
 
 

@@ -10,6 +10,8 @@ import sys
 import weakref
 from pathlib import Path
 
+import pytest
+
 from specgate.vllmside import engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -17,9 +19,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def _run(key: str, model: str) -> dict:
     return {"key": key, "llm": {"model": model, "max_model_len": 64},
-            "phases": [{"key": f"{key} greedy", "prompts": [[1, 2, 3]], "sampling": {"max_tokens": 2, "temperature": 0}}]}
+            "phases": [{"key": f"{key} greedy", "prompts": [[1, 2, 3]],
+                        "sampling": {"max_tokens": 2, "temperature": 0}}]}
 
 
+@pytest.mark.vllm
 def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once(tmp_path):
     """Two engines that fail at LLM(...): the first child stops after its failure, the host
     forks a second child for the rest, and both results arrive with one import between them."""
@@ -48,6 +52,7 @@ def test_a_child_killed_by_a_signal_ends_the_host_with_its_status(tmp_path, monk
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.vllm
 def test_the_host_answers_what_only_vllm_knows_and_starts_no_engine_it_blocks(tmp_path):
     """The pytest process never imports vLLM: the host says which runs cannot start here and
     why (an architecture vLLM does not register; an "only_v2" run where the V2 runner is
@@ -68,6 +73,7 @@ def test_the_host_answers_what_only_vllm_knows_and_starts_no_engine_it_blocks(tm
         assert "no-such-model-v2" in v2["error"]["message"]
 
 
+@pytest.mark.vllm
 def test_the_host_has_vllm_inspect_later_engines_models_while_the_first_runs(tmp_path):
     """vLLM inspects a model class in a fresh process (10 to 13 s here) and caches the answer
     under VLLM_CACHE_ROOT/modelinfos. The host asks for the later runs' classes in the
@@ -134,6 +140,7 @@ def test_an_engine_under_the_hosts_freeze_stays_collectable_and_the_frozen_heap_
         gc.unfreeze()
 
 
+@pytest.mark.vllm
 def test_the_55005_probe_tells_the_release_from_a_build_with_the_fix(tmp_path):
     """The probe on vLLM 0.32.0 as released finds #55005 (the expansion leaves its sentinel-filled
     output untouched); with the expansion PR #55006 proposes in place of the released one, the

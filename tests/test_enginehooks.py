@@ -34,11 +34,13 @@ def _expand(kernels, values, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.vllm
 def test_the_released_shim_leaves_the_callers_tensor_untouched_55005(kernels, dtype):
     assert _expand(kernels, [3, 0, 2], dtype) == [-7] * 6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+@pytest.mark.vllm
 def test_the_repair_expands_into_the_callers_tensor_only_while_active(kernels, dtype):
     enginehooks.install(record=False, repairs={"vllm-55005"})
     want = torch.tensor([3, 3, 1, 1, 1, 2], dtype=dtype).tolist()   # 0 (greedy) becomes 1
@@ -54,6 +56,7 @@ def test_an_unknown_repair_is_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.vllm
 def test_the_repaired_builds_shim_expands_as_the_runtime_repair_does(kernels, dtype):
     """tests/wheels.py's #55006 change, applied to this vLLM's own shim source (the file the
     repaired wheel carries): the released text is there exactly once, and the result fills the

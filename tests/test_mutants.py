@@ -71,6 +71,7 @@ print(json.dumps({"replaced": replaced, "llvmlite": "llvmlite" in sys.modules}))
 """
 
 
+@pytest.mark.vllm
 def test_each_mutant_replaces_the_vllm_function_it_names_and_loads_no_numba():
     """In a fresh process (as in the engine child): each named function exists in the installed
     vLLM and install() replaces it; installing every mutant loads no llvmlite (numba), after
@@ -101,6 +102,7 @@ def test_the_ngram_mutant_patches_the_proposer_class_once_and_keeps_the_runners_
     assert calls[0].tolist() == [9, 19] and counts.tolist() == [10, 20]
 
 
+@pytest.mark.vllm
 def test_the_patched_signatures_are_the_ones_the_patches_assume():
     from vllm.v1.sample.rejection_sampler import rejection_sample
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
@@ -114,6 +116,7 @@ def test_the_patched_signatures_are_the_ones_the_patches_assume():
         "self", "num_speculative_tokens", "sampled_token_ids", "num_tokens_no_spec", "token_ids_cpu"]
 
 
+@pytest.mark.vllm
 def test_the_sampling_patches_assume_vllms_signatures_and_leave_the_expand_repair_alone():
     from vllm.utils import cpu_triton_utils
     from vllm.v1.sample import rejection_sampler
@@ -323,6 +326,7 @@ def sampling():
 ALL_ACCEPTED = [[1, 2, 3, 7]] * 8      # the probe's drafts 1, 2, 3 and bonus 7, for each of its 8 requests
 
 
+@pytest.mark.vllm
 def test_the_sampling_mutants_ran_with_the_expand_repair_and_do_not_count_the_profile_run(sampling):
     assert list(sampling) == SAMPLING
     for name in SAMPLING:
@@ -331,6 +335,7 @@ def test_the_sampling_mutants_ran_with_the_expand_repair_and_do_not_count_the_pr
         assert mutant["expand_repaired"] and mutant["fired_in_profile_run"] == 0, name
 
 
+@pytest.mark.vllm
 def test_uniform_constant_tests_every_draft_against_one_half(sampling):
     base, mutant = sampling["uniform-constant"]["base"], sampling["uniform-constant"]["mutant"]
     assert mutant["uniform"] == {"out": [0.5] * 6, "fired": 1} and 0.5 not in base["uniform"]["out"]
@@ -338,6 +343,7 @@ def test_uniform_constant_tests_every_draft_against_one_half(sampling):
     assert mutant["verify"] == {"out": ALL_ACCEPTED, "fired": 1} and base["verify"]["out"] != ALL_ACCEPTED
 
 
+@pytest.mark.vllm
 def test_draft_target_swapped_accepts_with_q_over_p_and_only_with_draft_probabilities(sampling):
     base, mutant = sampling["draft-target-swapped"]["base"], sampling["draft-target-swapped"]["mutant"]
     # q one-hot on each draft, p(draft) = 0.01: p/q rejects almost every draft, q/p = 100 accepts all.
@@ -346,6 +352,7 @@ def test_draft_target_swapped_accepts_with_q_over_p_and_only_with_draft_probabil
     assert mutant["no_draft_probs"] == base["no_draft_probs"]
 
 
+@pytest.mark.vllm
 def test_recovered_from_target_can_return_the_rejected_draft_only_with_draft_probabilities(sampling):
     base, mutant = sampling["recovered-from-target"]["base"], sampling["recovered-from-target"]["mutant"]
     assert base["probabilistic"]["out"] == 0          # max(0, p - q) is 0 at a one-hot draft
@@ -353,6 +360,7 @@ def test_recovered_from_target_can_return_the_rejected_draft_only_with_draft_pro
     assert mutant["no_draft_probs"] == base["no_draft_probs"] == {"out": 0, "fired": 0}
 
 
+@pytest.mark.vllm
 def test_rejected_draft_not_excluded_can_return_it_only_without_draft_probabilities(sampling):
     base, mutant = sampling["rejected-draft-not-excluded"]["base"], sampling["rejected-draft-not-excluded"]["mutant"]
     assert base["no_draft_probs"]["out"] == 0         # NO_DRAFT_PROBS masks the draft out of p
@@ -360,6 +368,7 @@ def test_rejected_draft_not_excluded_can_return_it_only_without_draft_probabilit
     assert mutant["probabilistic"] == base["probabilistic"] == {"out": 0, "fired": 0}
 
 
+@pytest.mark.vllm
 def test_bonus_argmax_takes_the_argmax_for_sampling_rows_of_the_bonus_call_only(sampling):
     base, mutant = sampling["bonus-argmax"]["base"], sampling["bonus-argmax"]["mutant"]
     assert set(base["bonus"]["out"]["tokens"]) != {3}                 # the argmax 3 has p = 0.3
@@ -368,6 +377,7 @@ def test_bonus_argmax_takes_the_argmax_for_sampling_rows_of_the_bonus_call_only(
     assert mutant["not_bonus"]["fired"] == 0 and set(mutant["not_bonus"]["out"]["tokens"]) != {3}
 
 
+@pytest.mark.vllm
 def test_temperature_not_applied_leaves_the_logits_unscaled_but_top_k_applied(sampling):
     base, mutant = sampling["temperature-not-applied"]["base"], sampling["temperature-not-applied"]["mutant"]
     assert base["top_k"]["out"] == {"unscaled": False, "scaled": True, "masked": [6] * 5}
@@ -375,6 +385,7 @@ def test_temperature_not_applied_leaves_the_logits_unscaled_but_top_k_applied(sa
     assert mutant["temperature_1"] == base["temperature_1"] and mutant["temperature_1"]["fired"] == 0
 
 
+@pytest.mark.vllm
 def test_top_k_top_p_not_applied_leaves_every_token_but_scales(sampling):
     base, mutant = sampling["top-k-top-p-not-applied"]["base"], sampling["top-k-top-p-not-applied"]["mutant"]
     assert base["top_k"]["out"]["masked"] == [6] * 5
@@ -382,6 +393,7 @@ def test_top_k_top_p_not_applied_leaves_every_token_but_scales(sampling):
     assert mutant["no_top_k"] == base["no_top_k"] and mutant["no_top_k"]["fired"] == 0
 
 
+@pytest.mark.vllm
 def test_generators_ignored_leaves_the_seeded_streams_untouched_in_verification(sampling):
     base, mutant = sampling["generators-ignored"]["base"], sampling["generators-ignored"]["mutant"]
     assert base["uniform"]["out"] == [True] * 2 and base["recovery"]["out"] == [True] * 8
@@ -390,6 +402,7 @@ def test_generators_ignored_leaves_the_seeded_streams_untouched_in_verification(
     assert mutant["undrafted"] == base["undrafted"] == {"out": [False], "fired": 0}   # its generator is not used
 
 
+@pytest.mark.vllm
 def test_draws_for_undrafted_takes_one_draw_from_a_request_without_drafts(sampling):
     base, mutant = sampling["draws-for-undrafted"]["base"], sampling["draws-for-undrafted"]["mutant"]
     assert base["advanced"]["out"] == [False, True] and not base["one_draw"]["out"]
@@ -406,6 +419,7 @@ print("catalogue-loaded" if "specgate.vllmside.catalogue" in sys.modules else "c
 
 
 @pytest.mark.parametrize("mutant", [None, "ngram-wrong-offset"])
+@pytest.mark.vllm
 def test_the_engine_child_installs_a_mutant_only_when_named(tmp_path, mutant):
     request = tmp_path / "request.json"
     request.write_text("[]")
@@ -513,6 +527,7 @@ def test_a_mutant_whose_patched_function_moved_says_so_and_is_never_a_kill():
     assert entry["outcome"] == "failed" and entry["reason"].startswith("not scored: the function it patches moved")
 
 
+@pytest.mark.vllm
 def test_every_mutant_fits_the_pinned_vllm():
     """What the mutants session asks the build under test before it runs a mutant."""
     out = subprocess.run([sys.executable, "-m", "specgate.vllmside.catalogue", *catalogue.MUTANTS], cwd=REPO_ROOT,

@@ -106,6 +106,7 @@ def test_resolve_missing_hub_checkpoint(env):
     assert "not in the HF cache" in source.reason and "warm_cache" in source.reason
 
 
+@pytest.mark.vllm
 def test_resolve_auto_falls_back_to_the_fixture(env):
     manifest = manifest_for(env)
     with ConnectionGuard() as guard:
@@ -116,6 +117,7 @@ def test_resolve_auto_falls_back_to_the_fixture(env):
     assert not [e for e in guard.events if e[0] == "socket.connect"]
 
 
+@pytest.mark.vllm
 def test_resolve_fixture_mode_ignores_a_cached_snapshot(env, hub):
     manifest = manifest_for(env)
     download(hub, env / "home")

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from specgate.core import torchprobe
 
 
@@ -39,6 +41,7 @@ def test_this_session_venv_has_no_half_working_companion():
         assert torchprobe.import_error(module) is None  # absent, so nothing imports it by accident
 
 
+@pytest.mark.vllm
 def test_vllm_and_transformers_models_import_after_the_probe():
     code = "import vllm; from transformers import Qwen3ForCausalLM; print('ok', vllm.__version__)"
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}

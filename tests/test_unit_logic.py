@@ -190,6 +190,7 @@ def test_no_applied_redirect_means_one_plain_group(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.vllm
 def test_vllm_reads_the_redirect_file_we_write(tmp_path):
     """vLLM's own maybe_model_redirect maps the declared checkpoint and nothing else."""
     fixture = tmp_path / "tiny-qwen3"
@@ -282,6 +283,7 @@ CHECKOUT = {
 }
 
 
+@pytest.mark.vllm
 def test_session_end_to_end_over_a_crafted_checkout(tmp_path):
     checkout = tmp_path / "vllm"
     for name, text in CHECKOUT.items():

@@ -88,6 +88,7 @@ def spawn(tmp: Path, manifest: Path, mode: str, name: str, endpoint: str) -> sub
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.vllm
 def test_four_concurrent_runs_download_each_file_once(case, hub):
     tmp, manifest = case
     hub.throttle.chunk, hub.throttle.delay_s = 32 * 1024, 0.1  # ~3 s for the model: the runs overlap
@@ -105,6 +106,7 @@ def test_four_concurrent_runs_download_each_file_once(case, hub):
     assert snap.path is not None and (snap.path / "model.safetensors").read_bytes() == MODEL
 
 
+@pytest.mark.vllm
 def test_sigkill_mid_download_leaves_nothing_mistaken_for_complete(case, hub):
     tmp, manifest = case
     hub.throttle.chunk, hub.throttle.delay_s = 16 * 1024, 0.05  # ~3 s for the model
@@ -139,6 +141,7 @@ def test_sigkill_mid_download_leaves_nothing_mistaken_for_complete(case, hub):
     assert (snap.path / "model.safetensors").read_bytes() == MODEL
 
 
+@pytest.mark.vllm
 def test_warm_cache_opens_no_connection(case, hub):
     tmp, manifest = case
     assert run_here(tmp, manifest, None, "hub") == 0
@@ -153,6 +156,7 @@ def test_warm_cache_opens_no_connection(case, hub):
     assert set(statuses(summary(tmp)).values()) == {"cached"}
 
 
+@pytest.mark.vllm
 def test_transient_503_is_retried_and_succeeds(case, hub, capsys):
     tmp, manifest = case
     hub.fail(503, kind="get", filename="model.safetensors", times=1)
@@ -163,6 +167,7 @@ def test_transient_503_is_retried_and_succeeds(case, hub, capsys):
     assert statuses(summary(tmp))[REPO_ID] == "downloaded"
 
 
+@pytest.mark.vllm
 def test_transient_errors_stop_after_the_bounded_attempts(case, hub, capsys):
     tmp, manifest = case
     hub.fail(503, kind="get", filename="model.safetensors", times=100)
@@ -171,6 +176,7 @@ def test_transient_errors_stop_after_the_bounded_attempts(case, hub, capsys):
     assert f"(after {warm.ATTEMPTS} attempts)" in capsys.readouterr().out
 
 
+@pytest.mark.vllm
 def test_401_is_auth_and_not_retried(case, hub, capsys):
     tmp, manifest = case
     hub.fail(401, kind="tree", times=100)
@@ -181,6 +187,7 @@ def test_401_is_auth_and_not_retried(case, hub, capsys):
     assert "auth" in line and "set HF_TOKEN and accept the licence at https://huggingface.co/acme/tiny-model" in line
 
 
+@pytest.mark.vllm
 def test_404_is_failure_and_not_retried(case, hub, capsys):
     tmp, manifest = case
     hub.fail(404, kind="tree", times=100)
@@ -191,6 +198,7 @@ def test_404_is_failure_and_not_retried(case, hub, capsys):
     assert "failure" in line
 
 
+@pytest.mark.vllm
 def test_hub_mode_with_unreachable_hub_exits_75_quickly(case, monkeypatch, capsys):
     tmp, manifest = case
     monkeypatch.setenv("HF_ENDPOINT", closed_endpoint())
@@ -206,6 +214,7 @@ def test_hub_mode_with_unreachable_hub_exits_75_quickly(case, monkeypatch, capsy
     assert len(junit) == 2 and all(r.outcome == "failed" and "hub unreachable" in r.message for r in junit)
 
 
+@pytest.mark.vllm
 def test_auto_mode_falls_back_to_fixtures_and_exits_0(case, monkeypatch, capsys):
     tmp, manifest = case
     monkeypatch.setenv("HF_ENDPOINT", closed_endpoint())
@@ -221,6 +230,7 @@ def test_auto_mode_falls_back_to_fixtures_and_exits_0(case, monkeypatch, capsys)
     assert data["env"]["HF_TOKEN"] == "***" and "hf_notarealtoken_123456" not in json.dumps(data)
 
 
+@pytest.mark.vllm
 def test_auto_mode_uses_the_cached_hub_snapshot(case, hub):
     tmp, manifest = case
     assert run_here(tmp, manifest, None, "auto") == 0
@@ -229,6 +239,7 @@ def test_auto_mode_uses_the_cached_hub_snapshot(case, hub):
     assert rows[REPO_ID]["size_bytes"] == sum(len(v) for v in FILES.values())
 
 
+@pytest.mark.vllm
 def test_fixture_mode_uses_no_network(case, hub):
     tmp, manifest = case
     with ConnectionGuard() as guard:
@@ -238,6 +249,7 @@ def test_fixture_mode_uses_no_network(case, hub):
     assert data["model_mode"] == "fixture" and set(statuses(data).values()) == {"fixture"}
 
 
+@pytest.mark.vllm
 def test_suites_select_checkpoints_and_unknown_suite_exits_2(case, hub, capsys):
     tmp, manifest = case
     assert run_here(tmp, manifest, ["cpu_unit"], "hub") == 0
@@ -254,6 +266,7 @@ def test_cli_unknown_suite_exits_2():
         f"error: unknown suite nosuch (known: {', '.join(sorted(warm.known_suites(load())))})"]
 
 
+@pytest.mark.vllm
 def test_gated_checkpoint_without_token_asks_for_one_without_network(case, hub, capsys):
     tmp, _ = case
     manifest = write_manifest(tmp, {REPO_ID: {"revision": COMMIT, "suites": ["cpu_e2e"], "gated": True}})
@@ -264,6 +277,7 @@ def test_gated_checkpoint_without_token_asks_for_one_without_network(case, hub, 
     assert "gated and no HF token is set" in line and "set HF_TOKEN and accept the licence" in line
 
 
+@pytest.mark.vllm
 def test_unpinned_checkpoint_is_never_fetched(case, hub, capsys):
     """Only pinned commits are fetched: even a reachable hub serving the repo is not asked."""
     tmp, _ = case
@@ -278,6 +292,7 @@ def test_unpinned_checkpoint_is_never_fetched(case, hub, capsys):
     assert statuses(summary(tmp))[REPO_ID] == "fixture"
 
 
+@pytest.mark.vllm
 def test_cli_hub_mode_on_the_real_manifest_without_a_hub_exits_75(tmp_path):
     """The real entry point and manifest, as `nox -s warm_cache -- --model-source hub` runs
     it on a machine where the hub cannot be reached."""
@@ -315,6 +330,7 @@ def flip_a_byte(path: Path) -> None:
     (lambda path: os.truncate(path, path.stat().st_size // 2), "model.safetensors",
      "500000 bytes, the hub listed 1000000"),
 ])
+@pytest.mark.vllm
 def test_a_damaged_cached_file_is_fetched_again(case, hub, capsys, damage, name, why):
     """A file that passed once (stamped), then was damaged in place: the next warm_cache sees
     its stamp no longer fits, hashes it, removes it and downloads it again."""
@@ -333,6 +349,7 @@ def test_a_damaged_cached_file_is_fetched_again(case, hub, capsys, damage, name,
 
 
 @pytest.mark.parametrize("mode", ["hub", "auto"])
+@pytest.mark.vllm
 def test_a_damaged_file_with_the_hub_unreachable_is_cache_corrupt_and_leaves_nothing_corrupt(
         case, hub, monkeypatch, mode):
     """Offline, the damage cannot be repaired: exit 75, cause cache-corrupt naming the file, in

@@ -53,7 +53,8 @@ class Series:
 def series(summary: dict[str, Any]) -> dict[str, Series]:
     """A cpu_e2e summary's speculative engines, keyed by engine key (tests sharing one engine count once)."""
     engines = summary.get("engines") or []
-    speculative = {key for key, phase in contract.phases_by_key(engines).items() if phase["method"] not in (None, "none")}
+    speculative = {key for key, phase in contract.phases_by_key(engines).items()
+                   if phase["method"] not in (None, "none")}
     found: dict[str, Series] = {}
     for entry in summary["tests"]:
         key = next((k for k in entry.get("engines") or () if k in speculative), None)

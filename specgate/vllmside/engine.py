@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -355,7 +355,8 @@ def _run_phase(llm: Any, phase: dict[str, Any], probes: dict[str, str]) -> dict[
     from vllm.inputs import TokensPrompt
 
     repair = phase.get("repair")
-    data: dict[str, Any] = {"error": None, "repair": repair if probes.get(repair or "") == enginehooks.PRESENT else None}
+    present = probes.get(repair or "") == enginehooks.PRESENT
+    data: dict[str, Any] = {"error": None, "repair": repair if present else None}
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in phase["prompts"]]
     sampling = phase["sampling"]
     params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
@@ -370,7 +371,8 @@ def _run_phase(llm: Any, phase: dict[str, Any], probes: dict[str, str]) -> dict[
                 outputs += llm.generate(inputs[first:first + batch], params[first:first + batch], use_tqdm=False)
             drafts = enginehooks.drafts_by_request()
             data["generate_s"] = round(time.monotonic() - started, 2)
-            data["counters"] = counters_since(before, spec_counters(llm))   # before the repeat: the checks read the first pass
+            # before the repeat: the checks read the first pass
+            data["counters"] = counters_since(before, spec_counters(llm))
             repeat = phase.get("repeat") or []
             if repeat:
                 again = llm.generate([inputs[i] for i in repeat], [params[i] for i in repeat], use_tqdm=False)
@@ -597,8 +599,9 @@ def main(argv: list[str]) -> int:
     gc.freeze()   # as after each engine (_generate_all); the children also share these pages unwritten
     import_s = round(time.monotonic() - started, 2)
     phases = [phase for r in pending for phase in r["phases"]]
+    present = {name for name, verdict in answer["probes"].items() if verdict == enginehooks.PRESENT}
     enginehooks.install(record=any(p.get("record_drafts") for p in phases),
-                        repairs={p["repair"] for p in phases if answer["probes"].get(p.get("repair") or "") == enginehooks.PRESENT})
+                        repairs={p["repair"] for p in phases if p.get("repair") in present})
     mutant_fired = None
     mutant = os.environ.get("SPECGATE_MUTANT")   # only `nox -s mutants` sets it (specgate.sessions.mutants)
     if mutant:

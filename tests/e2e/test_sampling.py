@@ -18,7 +18,7 @@ from specgate.core import build
 from specgate.sessions.e2e import compare, report, runs, sampling
 from specgate.vllmside import enginehooks, knownanswer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 LOGPROB_TOLERANCE = 0.01     # bf16 logits land on the design's values (multiples of 0.5 near 24)
 

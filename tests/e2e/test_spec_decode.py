@@ -12,7 +12,7 @@ import pytest
 from specgate.sessions.e2e import compare, report, runs
 from specgate.vllmside import engine, knownanswer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 
 def _generate(engines, plan, run: runs.Run, row: dict, *, measured: bool = True):

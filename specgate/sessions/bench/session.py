@@ -117,13 +117,15 @@ GOALS = (
     Goal("warm_cache_noop_s", 3.0, "warm_cache with everything present takes at most 3 s"),
     Goal("e2e_warm_cold_ratio", 0.6, "a warm compile cache brings cpu_e2e to at most 60% of cold"),
     Goal("e2e_cold_s", 180.0, "fixture-mode cpu_e2e takes at most 3 min with an empty compile cache"),
-    Goal("e2e_vs_upstream_ratio", 0.8, "our cpu_e2e checks, sampling included, take at most 0.8x upstream's one e2e file"),
+    Goal("e2e_vs_upstream_ratio", 0.8,
+         "our cpu_e2e checks, sampling included, take at most 0.8x upstream's one e2e file"),
     Goal("e2e_warm_s", 90.0, "fixture-mode cpu_e2e takes at most 90 s with a warm compile cache"),
     Goal("e2e_sampling_cost_ratio", 1.5, "the sampling checks make a warm cpu_e2e at most 50% longer"),
     Goal("e2e_engine_starts", 8.0, "a default fixture-mode cpu_e2e starts at most 8 engines"),
     Goal("engine_start_warm_s", 4.0, "a tiny-model engine starts in at most 4 s with a warm compile cache"),
     Goal("tests_pytest_s", 120.0, "nox -s tests (all but tests/ci) takes at most 120 s of pytest, warm"),
-    Goal("tests_fast_pytest_s", 60.0, "the contributor's loop, nox -s tests -- -m 'not vllm', takes at most 60 s of pytest"),
+    Goal("tests_fast_pytest_s", 60.0,
+         "the contributor's loop, nox -s tests -- -m 'not vllm', takes at most 60 s of pytest"),
     Goal("gate_fresh_s", 480.0, "README's -t gate in a fresh clone with empty harness caches takes at most 8 min"),
     Goal("fresh_clone_ci_s", 300.0, "a fresh clone gets through .ci/run in at most 5 min"),
     Goal("classify_35mb_s", 2.0, "a 35 MB log is classified in at most 2 s"),
@@ -529,7 +531,8 @@ def engine_start(runner: Runner, summaries: list[dict]) -> list[Figure]:
     # engine_start_warm_s is the same median under the name the goal uses.
     return [Figure("engine_start_s", "s", value, starts, detail=detail),
             Figure("engine_start_warm_s", "s", value, starts, detail={**detail, "note": "same as engine_start_s"}),
-            Figure("e2e_engine_starts", "engines", float(len(starts)), [float(len(engine_starts(s))) for s in summaries],
+            Figure("e2e_engine_starts", "engines", float(len(starts)),
+                   [float(len(engine_starts(s))) for s in summaries],
                    detail={"from": "cpu_e2e summary.json, engines[] with a start time, per run",
                            "by_run": {s[BENCH_RUN]: len(engine_starts(s)) for s in summaries}})]
 

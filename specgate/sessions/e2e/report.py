@@ -101,7 +101,8 @@ def engine_record(phases: Sequence[Run], data: dict[str, Any]) -> dict[str, Any]
             "phases": [{"key": run.key, "requests": run.requests or "greedy", "ran": run.key in ran,
                         **{k: ran.get(run.key, {}).get(k) for k in ("repair", "generate_s", "counters")},
                         "error": _first_line(ran.get(run.key, {}).get("error")),
-                        **{k: ran[run.key][k] for k in ("mutant_fired",) if k in ran.get(run.key, {})}}  # under nox -s mutants
+                        # mutant_fired: only under nox -s mutants
+                        **{k: ran[run.key][k] for k in ("mutant_fired",) if k in ran.get(run.key, {})}}
                        for run in phases]}
 
 
