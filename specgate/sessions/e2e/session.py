@@ -52,7 +52,7 @@ TESTS_DIR = "tests/e2e"
 
 def build_parser():
     p = cli.parser(SESSION, "Engine-level spec-decode tests in torch.compile mode.", shards=True,
-                   model_source=True, build=True)
+                   model_source=True)
     p.add_argument("--upstream-e2e", action="store_true",
                    help="also run upstream's tests/v1/e2e/test_cpu_spec_decode.py from the upstream test tree, "
                         "its models redirected to their stand-ins where they resolve to fixtures")

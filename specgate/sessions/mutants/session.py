@@ -42,7 +42,7 @@ SEED_STRIDE = 1000   # between the control's seed sets: far more than the reques
 
 
 def build_parser():
-    p = cli.parser(SESSION, __doc__.splitlines()[0].split(": ", 1)[1], build=True)
+    p = cli.parser(SESSION, __doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument("--only", nargs="+", metavar="NAME", choices=list(MUTANTS),
                    help="run only these mutants (default: the whole catalogue)")
     p.add_argument("--seed-sets", type=cli.positive_int, default=1, metavar="N",

@@ -284,7 +284,7 @@ def merge_junit(runs: list[Run], path: Path) -> None:
 
 def build_parser():
     p = cli.parser(SESSION, "Run vLLM's own spec-decode unit files (upstream's CPU pipeline step).",
-                   shards=True, model_source=True, build=True)
+                   shards=True, model_source=True)
     p.add_argument("--vllm-source-dir", default=None,
                    help=f"a vLLM checkout to take tests/ and .buildkite/ from (default ${upstream.SOURCE_DIR_VAR}; "
                         "else the installed version's sdist from the package index)")

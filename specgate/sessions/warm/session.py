@@ -56,7 +56,7 @@ class Row:
 
 def build_parser() -> cli.Parser:
     p = cli.parser(SESSION, "Fill the HF cache with every pinned checkpoint and build the fixtures.",
-                   model_source=True, pytest=False, build=True)
+                   model_source=True, pytest=False)
     p.add_argument("--suites", nargs="+", metavar="SUITE", default=None,
                    help="only the checkpoints these suites need (default: all)")
     return p
