@@ -263,6 +263,20 @@ def test_annotate_renders_the_acceptance_and_causes_tables(write_summary):
     assert "test_ngram_proposer" not in out  # passes are counted, not listed
 
 
+def test_annotate_says_to_remove_a_declared_defect_a_build_no_longer_has(write_summary):
+    """A declared defect's test that passed on a build without the defect (defect_status fixed)
+    is listed apart, with what to do: a passing run, not a failure and not a silent pass."""
+    note = "the declared defect no longer reproduces on this build: remove its declaration from manifest.toml"
+    fixed = entry("tests/e2e/test_sampling.py::test_sampling_release[eagle3-v1/greedy]", "passed",
+                  defect_status="fixed", note=note)
+    root = write_summary("cpu_e2e", [fixed, E2E_TESTS[0]], 0)
+    proc = _annotate("--artifacts", str(root), "cpu_e2e")
+    assert proc.returncode == 0, proc.stderr
+    assert "#### cpu_e2e: 2 passed" in proc.stdout
+    assert ("Declared defects that no longer reproduce (remove the declaration):\n"
+            f"- tests/e2e/test_sampling.py::test_sampling_release[eagle3-v1/greedy]: {note}") in proc.stdout
+
+
 def test_annotate_posts_through_buildkite_agent_when_it_exists(write_summary, tmp_path):
     on_job = {**ON_BUILDKITE, "BUILDKITE_PARALLEL_JOB": "1"}
     write_summary("cpu_unit", UNIT_TESTS, 75, environ=on_job)
