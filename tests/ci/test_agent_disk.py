@@ -17,7 +17,7 @@ import pytest
 import wheels
 from pragent import PRAgent, with_fixtures
 
-pytestmark = pytest.mark.soak    # 20 min on 2 cores: nox -s ci_soak, outside the per-commit check
+pytestmark = pytest.mark.soak    # about 12 min on 2 cores: nox -s ci_soak, outside the per-commit check
 
 BUILDS = 5
 GIB = 1 << 30

@@ -2,11 +2,12 @@
 (specgate.sessions.e2e.sampling: the theorem that speculation leaves the target's distribution
 unchanged, on targets whose distribution is known at every position).
 
-Each case is a config with a [sampling] table and a draft sample method. On a vLLM version the
-manifest declares to have vLLM #55005 ([e2e.sampling.known_defect]), the case's engines run
-with the runtime repair (specgate.vllmside.enginehooks), so the checks still show what they catch, and
-test_sampling_release runs the release as built: a strict xfail citing the issue, which fails
-loudly the day a build no longer has the defect. Every row records its statistics.
+Each case is a config with a [sampling] table and a draft sample method. Where the manifest
+declares vLLM #55005 for the build's version ([e2e.sampling.known_defect]) and the probe finds it
+on the build (specgate.vllmside.enginehooks.probe_defects), the sampling phases run with the
+runtime repair, so the checks still show what they catch, and test_sampling_release is an xfail
+citing the issue; on a build the probe finds fixed, everything runs as built and that test
+passes as `fixed`. Every row records its statistics.
 """
 
 from __future__ import annotations

@@ -166,8 +166,8 @@ def sampling_targets(configs: Iterable[E2EConfig]) -> list[str]:
 
 
 def defect_repair(settings: Settings, version: str | None) -> str | None:
-    """The repair the sampling engines run with: the declared defect's, on the versions it
-    covers (their build's own behaviour is then test_sampling_release's strict xfail)."""
+    """The repair the sampling phases ask for: the declared defect's, on the versions it covers.
+    The engine host applies it only where its probe finds the defect on the build."""
     s = settings.sampling
     return s.defect["repair"] if s and s.defect and declared_for(s.defect, version) else None
 
