@@ -164,7 +164,7 @@ def test_least_favourable_is_the_minimum_chi_square_distance_at_that_tv(p):
 
 
 def test_sample_size_for_the_manifest_power_and_power_monotone_in_n():
-    """~7000 draws (the manifest's 64 x 110 = 7040) give power 0.999 against a TV 0.05 shift at
+    """~7000 draws (the manifest's 176 x 40 = 7040) give power 0.999 against a TV 0.05 shift at
     alpha 1e-6; the returned n is the fewest (n - 1 falls short) and power rises with n."""
     p = DESIGN.probs()[0]
     n = sampling.sample_size(p, ALPHA, POWER, TV)
@@ -307,17 +307,17 @@ def test_a_correct_speculative_sampler_passes_every_seed():
     look uniform (a Kolmogorov-Smirnov check: a miscalibrated statistic, e.g. a df too small or a
     variance too large, shows up there long before it gives a false alarm at 1e-6).
 
-    The acceptance check's own power is low here (0.1 to 0.4 over the seeds, against a tv 0.05
-    shift of every acceptance probability, with the manifest's 64 requests of 110 tokens cycling
-    its 5 prompts, the ngram run among them): on the context rule
-    the successor drafts land on the support only while the last two tokens stay close, ~1% of
-    position-0 trials after each request's first few tokens, so it is mostly its `impossible`
-    lines that catch a broken verifier."""
+    The acceptance check's own power is moderate here (0.41 to 0.57 over the seeds, against a tv
+    0.05 shift of every acceptance probability, with the manifest's 176 requests of 40 tokens
+    cycling its 5 prompts, the ngram run among them; 0.1 to 0.4 with 64 requests of 110): on the
+    context rule the successor drafts land on the support only while the last two tokens stay
+    close, ~1% of position-0 trials after each request's first few tokens, so its `impossible`
+    lines catch a broken verifier first."""
     failures, fit_p, acc_p = [], [], []
     for seed in SEEDS:
         values, fit, acc = correct_run(seed)
         assert fit["n"] == REQUESTS * MAX_TOKENS and fit["outside_support"] == 0
-        assert fit["power"] >= POWER and acc["power"] < 0.5
+        assert fit["power"] >= POWER and 0.3 < acc["power"] < 0.7
         assert min(acc["trials"]) > 5 and acc["df"] == DRAFTS
         assert not acc["impossible"], acc["impossible"]
         failures += [f"seed {seed}: {name} p = {t['p_value']:.3g}" for name, t in (("fit", fit), ("acceptance", acc))
@@ -350,14 +350,13 @@ def test_recovery_that_can_return_the_rejected_draft_is_caught():
 
 def test_acceptance_with_a_constant_uniform_is_caught():
     """(b) Accept iff p(d) >= 0.5 (the uniform fixed at 0.5): offset-0 drafts always accepted,
-    the others never. Only the acceptance rates give it away (nothing impossible happens, and
-    accepted drafts are too rare to move the emitted distribution: its p-value is ~0.07 here).
-    Power: all of 30 seeds caught, statistics 38 .. 95 on 3 df against a threshold of 30.7
-    (noncentrality ~60: power ~0.99)."""
+    the others never. Nothing impossible happens; the acceptance rates give it away: all of 30
+    seeds caught, statistics 249 .. 316 on 3 df against a threshold of 30.7 (38 .. 95 with 64
+    requests of 110 tokens: the short requests put more drafts on the support). The emitted
+    distribution moves too (p < 1e-6 on 27 of the 30 seeds, 2.9e-9 on this one)."""
     _, fit, acc = judge(batch(Sampler(CORRECT.probs, fixed_u=0.5), 0), DESIGN)
     assert not acc["passed"] and acc["statistic"] > stats.chi2.isf(ALPHA, DRAFTS)
     assert not acc["impossible"]
-    assert fit["p_value"] > ALPHA
 
 
 def test_temperature_ignored_is_caught():

@@ -359,8 +359,10 @@ def _run_phase(llm: Any, phase: dict[str, Any], probes: dict[str, str]) -> dict[
     data: dict[str, Any] = {"error": None, "repair": repair if present else None}
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in phase["prompts"]]
     sampling = phase["sampling"]
-    params = ([SamplingParams(**s) for s in sampling] if isinstance(sampling, list)
-              else [SamplingParams(**sampling)] * len(inputs))
+    # detokenize=False: the checks read token ids and logprobs only; decoding every token and
+    # its logprobs took a third of an eagle3 sampling phase (3.8 s -> 2.4 s).
+    params = ([SamplingParams(**s, detokenize=False) for s in sampling] if isinstance(sampling, list)
+              else [SamplingParams(**sampling, detokenize=False)] * len(inputs))
     batch = phase.get("batch") or len(inputs)
     before = spec_counters(llm)
     started = time.monotonic()

@@ -258,11 +258,26 @@ def llm_kwargs(phases: Sequence[Run], settings: Settings) -> dict[str, Any]:
         "disable_log_stats": False,
         **dict(run.engine),
     }
+    one_step = max((prefill_budget(phase, settings) for phase in phases if phase.requests in ONE_BATCH), default=0)
+    if one_step > VLLM_CPU_BATCHED_TOKENS:
+        kwargs["max_num_batched_tokens"] = one_step
     spec = speculative_config(run)
     if spec is not None:
         kwargs["speculative_config"] = spec
         kwargs["per_request_spec_decode_metrics"] = "detailed"
     return kwargs
+
+
+VLLM_CPU_BATCHED_TOKENS = 4096   # vLLM's CPU default max_num_batched_tokens for LLM(...) (engine/arg_utils.py)
+
+
+def prefill_budget(run: Run, settings: Settings) -> int:
+    """Tokens a one-batch phase needs in one step: its first step prefills every prompt whole,
+    later ones verify every request. A prompt that does not fit is prefilled in chunks, and vLLM
+    0.32 CPU crashes on a seeded request's chunk ("CPU Generator does not use offset": its
+    sampler rewinds the request's generator, which only CUDA generators allow)."""
+    requests = sampling_requests(run, settings)
+    return max(sum(len(r.prompt) for r in requests), len(requests) * (run.k + 1))
 
 
 def prompts_for(run: Run, settings: Settings) -> tuple[list[Any], int]:
