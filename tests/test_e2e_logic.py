@@ -87,6 +87,30 @@ def test_a_sampling_defect_version_that_is_no_specifier_is_one_clear_error(tmp_p
         planning.Settings.parse(m.load(path))
 
 
+@pytest.mark.parametrize("version,applies", [("0.32.0", True), ("0.33.1.dev5+g1a2b3c4", True), ("0.31.0", False)])
+def test_a_configs_declared_defects_hold_only_for_their_versions(version, applies):
+    """ngram's top-k crash is declared for >=0.32.0 (0.31.0 does not show it): on 0.31.0 its
+    top-k requests run in the config's sampling phase like the others', not set aside as top-p,
+    and the test of the declaration does not expect it (the e2e tests skip or require a clean run)."""
+    manifest = m.load()
+    by_id = {c.id: planning.resolve_config(manifest, c, "fixture", version) for c in manifest.e2e}
+    assert by_id["ngram"].sampling["known_defect"]["applies"] is applies
+    assert by_id["mtp-v1-prefix-caching"].known_defect["applies"] is applies
+    run = runs.sampling_run(by_id["ngram"], "greedy", None)
+    assert run.requests == (runs.TOP_P_ONLY if applies else runs.SAMPLED)
+    roles = {r.role for r in runs.sampling_requests(run, planning.Settings.parse(manifest))}
+    assert ("top_k" in roles) is not applies
+
+
+@pytest.mark.parametrize("old", ['{ versions = ">=0.32.0", raises = "RuntimeError"',
+                                 '{ versions = ">=0.32.0", raises = "TypeError"'])
+def test_a_configs_declared_defect_needs_a_version_specifier(tmp_path, old):
+    manifest = m.load(_manifest_with(tmp_path, old, old.replace('versions = ">=0.32.0", ', "")))
+    with pytest.raises(m.ManifestError, match=r"known_defect.versions': expected"):
+        for config in manifest.e2e:
+            planning.resolve_config(manifest, config, "fixture", "0.32.0")
+
+
 def test_selection_covers_each_config_as_the_brief_asks():
     configs = m.load().e2e
     by_id = {c.id: c for c in configs}
@@ -110,7 +134,7 @@ def test_known_answer_must_name_a_declared_fixture(tmp_path):
     manifest = m.load(path)
     config = next(c for c in manifest.e2e if c.method == "ngram")
     with pytest.raises(m.ManifestError, match="known_answer.target': expected a fixture declared"):
-        planning.resolve_config(manifest, config, "fixture")
+        planning.resolve_config(manifest, config, "fixture", "0.32.0")
 
 
 @pytest.mark.parametrize("old,new", [
@@ -121,7 +145,7 @@ def test_exact_drafts_need_their_known_wrong_position(tmp_path, old, new):
     manifest = m.load(_manifest_with(tmp_path, old, new))
     config = next(c for c in manifest.e2e if c.id == "eagle3-v1")
     with pytest.raises(m.ManifestError, match=r"known_answer.wrong_at': expected a draft position \(0 .. "):
-        planning.resolve_config(manifest, config, "fixture")
+        planning.resolve_config(manifest, config, "fixture", "0.32.0")
 
 
 # --------------------------------------------------------------------------- engine runs
@@ -454,7 +478,8 @@ def test_acceptance_floors_judge_only_the_versions_they_were_measured_on():
     assert planning.unrecorded_floors(manifest, "0.31.0") == (
         "no acceptance floors recorded for vLLM 0.31.0 (manifest [e2e] floors_recorded_on: 0.32.0): "
         "acceptance is measured and shown, not judged")
-    eagle3 = planning.resolve_config(manifest, next(c for c in manifest.e2e if c.id == "eagle3-v1"), "fixture")
+    eagle3 = planning.resolve_config(manifest, next(c for c in manifest.e2e if c.id == "eagle3-v1"), "fixture",
+                                     "0.32.0")
     assert eagle3.threshold == 2.6 and eagle3.known_answer["floor"] == 2.6
     unjudged = planning.without_floors(eagle3)
     assert unjudged.threshold is None and unjudged.known_answer["floor"] is None

@@ -79,11 +79,7 @@ def _sampling_defect(r: _Reader) -> dict[str, Any] | None:
     if not isinstance(r.data.get("known_defect"), dict):
         return None
     d = r.table("known_defect")
-    versions = d.str("versions")
-    try:
-        SpecifierSet(versions)
-    except InvalidSpecifier:
-        raise d.fail("versions", "a PEP 440 version specifier such as '>=0.31.0'", versions) from None
+    versions = _specifier(d)
     evidence = d.str("evidence")
     if evidence.count("/") != 1:
         raise d.fail("evidence", "a sampling case, <config id>/<draft sample method>", evidence)
@@ -92,7 +88,7 @@ def _sampling_defect(r: _Reader) -> dict[str, Any] | None:
 
 
 def declared_for(defect: dict[str, Any] | None, version: str | None) -> bool:
-    """Whether the declared sampling defect covers vLLM `version` (pre-releases and dev builds too)."""
+    """Whether a declared defect covers vLLM `version` (pre-releases and dev builds too)."""
     return bool(defect and version and SpecifierSet(defect["versions"]).contains(version, prereleases=True))
 
 
@@ -186,7 +182,7 @@ class Config:
     speculative: dict[str, Any]        # extra speculative_config keys (e.g. prompt_lookup_min)
     engine: dict[str, Any]             # extra LLM(...) keys (e.g. enable_prefix_caching)
     known_answer: dict[str, Any] | None  # {"target": Model, "draft": Model|None, "floor", "exact_drafts"}
-    known_defect: dict[str, Any] | None  # {"raises", "symptom", "reason"}
+    known_defect: dict[str, Any] | None  # {"raises", "symptom", "reason", "versions", "applies"}
     measured: dict[str, Any]
     sampling: dict[str, Any] | None = None  # {"target": Model, "draft": Model|None, "draft_sample_methods"}
 
@@ -254,7 +250,7 @@ def _known_answer(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | Non
             "note": r.str("note", default=None)}
 
 
-def _sampling(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
+def _sampling(manifest: Manifest, config: E2EConfig, version: str | None) -> dict[str, Any] | None:
     raw = config.raw.get("sampling")
     if raw is None:
         return None
@@ -269,18 +265,34 @@ def _sampling(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
     defect = r.get("known_defect", dict, "a table", None)
     if defect is not None:
         d = _Reader(manifest.path, defect, f"e2e.configs[{config.id}].sampling.known_defect.")
-        defect = {"raises": d.str("raises"), "symptom": d.str("symptom"), "reason": d.str("reason"),
-                  "requests": d.str("requests", choices=("top_k",))}
+        defect = {**_declared_defect(d, version), "requests": d.str("requests", choices=("top_k",))}
     return {"target": fixture_model(manifest, target), "draft": fixture_model(manifest, draft) if draft else None,
             "draft_sample_methods": list(methods), "known_defect": defect}
 
 
-def _known_defect(manifest: Manifest, config: E2EConfig) -> dict[str, Any] | None:
+def _known_defect(manifest: Manifest, config: E2EConfig, version: str | None) -> dict[str, Any] | None:
     raw = config.raw.get("known_defect")
     if raw is None:
         return None
-    r = _Reader(manifest.path, raw, f"e2e.configs[{config.id}].known_defect.")
-    return {"raises": r.str("raises"), "symptom": r.str("symptom"), "reason": r.str("reason")}
+    return _declared_defect(_Reader(manifest.path, raw, f"e2e.configs[{config.id}].known_defect."), version)
+
+
+def _declared_defect(r: _Reader, version: str | None) -> dict[str, Any]:
+    """A config's declared vLLM defect: its exception, symptom and reason, and the versions it is
+    declared for (a PEP 440 specifier). `applies`: whether it covers the version under test; where
+    it does not, the defect's requests run as any others and an error is a failure."""
+    versions = _specifier(r)
+    return {"raises": r.str("raises"), "symptom": r.str("symptom"), "reason": r.str("reason"),
+            "versions": versions, "applies": declared_for({"versions": versions}, version)}
+
+
+def _specifier(r: _Reader) -> str:
+    versions = r.str("versions")
+    try:
+        SpecifierSet(versions)
+    except InvalidSpecifier:
+        raise r.fail("versions", "a PEP 440 version specifier such as '>=0.31.0'", versions) from None
+    return versions
 
 
 def _table(manifest: Manifest, config: E2EConfig, key: str) -> dict[str, Any]:
@@ -291,7 +303,8 @@ def _table(manifest: Manifest, config: E2EConfig, key: str) -> dict[str, Any]:
     return dict(value)
 
 
-def resolve_config(manifest: Manifest, config: E2EConfig, mode: str) -> Config:
+def resolve_config(manifest: Manifest, config: E2EConfig, mode: str, version: str | None) -> Config:
+    """The config as `mode` resolves its checkpoints, its declared defects judged for vLLM `version`."""
     known = _known_answer(manifest, config)
     if known is not None:
         known["target"] = fixture_model(manifest, known["target"])
@@ -308,9 +321,9 @@ def resolve_config(manifest: Manifest, config: E2EConfig, mode: str) -> Config:
         speculative=_table(manifest, config, "speculative"),
         engine=_table(manifest, config, "engine"),
         known_answer=known,
-        known_defect=_known_defect(manifest, config),
+        known_defect=_known_defect(manifest, config, version),
         measured=_table(manifest, config, "measured"),
-        sampling=_sampling(manifest, config),
+        sampling=_sampling(manifest, config, version),
     )
 
 

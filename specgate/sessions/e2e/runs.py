@@ -102,7 +102,7 @@ def sampling_run(config: Config, draft_sample_method: str, repair: str | None, r
     s = config.sampling or {}
     speculative = {**config.speculative, **({"draft_sample_method": draft_sample_method}
                                             if draft_sample_method != "greedy" else {})}
-    if requests == SAMPLED and s.get("known_defect"):
+    if requests == SAMPLED and (s.get("known_defect") or {}).get("applies"):
         requests = TOP_P_ONLY
     return Run(s["target"], s["draft"], config.method, config.k, tuple(sorted(speculative.items())),
                requests=requests, repair=repair)

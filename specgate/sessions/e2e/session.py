@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from specgate.ciside import history
 from specgate.contract import artifacts, exitcodes
-from specgate.core import cli, envpin
+from specgate.core import build, cli, envpin
 from specgate.core.manifest import REPO_ROOT, Manifest, ManifestError
 from specgate.sessions import lifecycle, pytestrun
 from specgate.sessions.e2e import SESSION
@@ -109,7 +109,7 @@ def step(ctx: lifecycle.Context) -> int:
     try:
         settings = Settings.parse(manifest)
         chosen = cli.shard(list(manifest.e2e), args.num_shards, args.shard_id)
-        configs = [resolve_config(manifest, c, args.model_source) for c in chosen]
+        configs = [resolve_config(manifest, c, args.model_source, build.version_under_test()) for c in chosen]
     except ManifestError as exc:
         raise cli.BadInput(str(exc)) from None
     record["configs"] = [c.id for c in configs]

@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from specgate.contract import artifacts, exitcodes
-from specgate.core import cli
+from specgate.core import build, cli
 from specgate.core.manifest import ManifestError
 from specgate.sessions import lifecycle
 from specgate.sessions.e2e.planning import Settings, missing_models, plan_dict, resolve_config
@@ -73,7 +73,7 @@ def step(ctx: lifecycle.Context) -> int:
     record.update(model_mode=MODE, mutants=[], kill_rate=None, control=None)
     try:
         settings = Settings.parse(manifest)
-        configs = [resolve_config(manifest, c, MODE) for c in manifest.e2e]
+        configs = [resolve_config(manifest, c, MODE, build.version_under_test()) for c in manifest.e2e]
     except ManifestError as exc:
         raise cli.BadInput(str(exc)) from None
     if missing_models(configs):
