@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ class Result:
     def token_ids(self) -> list[list[int]]:
         return self.data["token_ids"]
 
-    @property
+    @cached_property   # built once: the sampling checks index it per request
     def logprobs(self) -> list[list[dict[int, float]]]:
         return [[dict((int(t), lp) for t, lp in step) for step in seq] for seq in self.data["logprobs"]]
 

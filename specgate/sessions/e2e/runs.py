@@ -122,7 +122,9 @@ def sampling_requests(run: Run, settings: Settings) -> list[Request]:
     s = settings.sampling
     assert s is not None
     prompts = s.prompts
-    common = {"ignore_eos": True, "logprobs": settings.num_logprobs, "temperature": s.temperature}
+    # Logprobs where a check reads them: the target alone's (test_sampling_target_follows_design).
+    logprobs = {"logprobs": settings.num_logprobs} if run.method == "none" else {}
+    common = {"ignore_eos": True, **logprobs, "temperature": s.temperature}
     out: list[Request] = []
     if run.requests == TEXT:
         return [Request(settings.prompts[i % len(settings.prompts)], "sampled",
