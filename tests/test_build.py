@@ -142,18 +142,23 @@ def test_a_checkouts_changes_go_over_the_release_which_keeps_its_own_patches(tmp
         "def expand():\n    return 'fixed'\n\n\ndef other():\n    return 1\n")
     (tree / "vllm" / "added.py").write_text("x = 1\n")
     (package / "__init__.py").write_text("")
+    installer_cache = tmp_path / "uv-cache-shim.py"     # uv hard-links a venv's files to its cache
+    os.link(package / "utils" / "shim.py", installer_cache)
     before = {p: p.read_bytes() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts}
     record = build.checkout_identity(str(tree))
     buildenv.overlay_checkout(venv, record)
     assert (package / "utils" / "shim.py").read_text() == released.replace("'released'", "'fixed'")
+    assert installer_cache.read_text() == released     # the cache's copy, and every venv linked to it, untouched
     assert (package / "added.py").read_text() == "x = 1\n" and not (package / "__init__.py").exists()
     assert (package / "_C.abi3.so").read_bytes() == b"compiled" and (package / "gone.py").exists()
     assert before == {p: p.read_bytes() for p in tree.rglob("*") if p.is_file() and ".git" not in p.parts}
 
     (tree / "vllm" / "added.py").unlink()                  # the next session: the release first, then today's changes
     git(tree, "checkout", "-q", "--", "vllm/utils/shim.py")
+    os.link(package / "utils" / "shim.py", tmp_path / "uv-cache-fixed.py")
     buildenv.overlay_checkout(venv, build.checkout_identity(str(tree)))
     assert (package / "utils" / "shim.py").read_text() == released and not (package / "added.py").exists()
+    assert (tmp_path / "uv-cache-fixed.py").read_text() == released.replace("'released'", "'fixed'")
     assert not (package / "__init__.py").exists()
 
     (tree / "vllm" / "utils" / "shim.py").write_text(

@@ -192,7 +192,7 @@ def overlay_checkout(venv: Path, record: dict[str, Any]) -> None:
     for name in json.loads(overlaid.read_text()) if overlaid.is_file() else []:
         kept, target = released / name, site / name
         if kept.is_file():
-            shutil.copy2(kept, target)
+            _replace(target, kept.read_bytes())
         else:
             target.unlink(missing_ok=True)
     changed = build.changed_since(checkout, tag)
@@ -206,9 +206,18 @@ def overlay_checkout(venv: Path, record: dict[str, Any]) -> None:
             continue
         base = build.file_at(checkout, tag, name)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(ours.read_bytes() if base is None or not target.is_file()
-                           else _merged(target.read_bytes(), base, ours, name))
+        _replace(target, ours.read_bytes() if base is None or not target.is_file()
+                 else _merged(target.read_bytes(), base, ours, name))
     overlaid.write_text(json.dumps(changed))
+
+
+def _replace(target: Path, data: bytes) -> None:
+    """`data` as a new file at `target`, never written into the old one: uv hard-links a venv's
+    files to its cache, so an edit in place would change the release's file in uv's cache and
+    in every venv on the machine linked to it."""
+    fresh = target.with_name(f".{target.name}.specgate-new")
+    fresh.write_bytes(data)
+    os.replace(fresh, target)
 
 
 def _merged(release: bytes, base: bytes, ours: Path, name: str) -> bytes:
