@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import wheels
 
 from specgate.vllmside import enginehooks
@@ -25,28 +24,32 @@ def kernels(monkeypatch):
     return cpu_triton_utils
 
 
-def _expand(kernels, values, dtype):
-    """Expand per-request values over [2, 3, 1] tokens, 0 replaced by 1 (the temperature call)."""
+def _expand(kernels, values, dtype_name):
+    """Expand per-request values over [2, 3, 1] tokens, 0 replaced by 1 (the temperature call).
+    dtypes by name: torch is imported by the tests that run, not by collecting the fast tier."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
     out = torch.full((6,), -7, dtype=dtype)
     kernels._expand_kernel_impl(out, torch.tensor(values, dtype=dtype), torch.tensor([2, 5, 6], dtype=torch.int32),
                                 0, 1)
     return out.tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
 @pytest.mark.vllm
 def test_the_released_shim_leaves_the_callers_tensor_untouched_55005(kernels, dtype):
     assert _expand(kernels, [3, 0, 2], dtype) == [-7] * 6
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", ["float32", "int32", "int64"])
 @pytest.mark.vllm
 def test_the_repair_expands_into_the_callers_tensor_only_while_active(kernels, dtype):
     enginehooks.install(record=False, repairs={"vllm-55005"})
-    want = torch.tensor([3, 3, 1, 1, 1, 2], dtype=dtype).tolist()   # 0 (greedy) becomes 1
+    want = [3, 3, 1, 1, 1, 2]   # 0 (greedy) becomes 1
     with enginehooks.active(record=False, repair="vllm-55005"):
         assert _expand(kernels, [3, 0, 2], dtype) == want
-    released = [-7] * 6 if dtype != torch.int64 else want    # int64 was never affected
+    released = [-7] * 6 if dtype != "int64" else want    # int64 was never affected
     assert _expand(kernels, [3, 0, 2], dtype) == released
 
 
@@ -55,7 +58,7 @@ def test_an_unknown_repair_is_refused():
         enginehooks.install(record=False, repairs={"vllm-1"})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
 @pytest.mark.vllm
 def test_the_repaired_builds_shim_expands_as_the_runtime_repair_does(kernels, dtype):
     """tests/wheels.py's #55006 change, applied to this vLLM's own shim source (the file the
@@ -69,4 +72,4 @@ def test_the_repaired_builds_shim_expands_as_the_runtime_repair_does(kernels, dt
     spec = importlib.util.spec_from_loader("repaired_cpu_triton_utils", loader=None)
     repaired = importlib.util.module_from_spec(spec)
     exec(compile(source.replace(old, new), path, "exec"), repaired.__dict__)
-    assert _expand(repaired, [3, 0, 2], dtype) == torch.tensor([3, 3, 1, 1, 1, 2], dtype=dtype).tolist()
+    assert _expand(repaired, [3, 0, 2], dtype) == [3, 3, 1, 1, 1, 2]

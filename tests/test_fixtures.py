@@ -14,15 +14,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from specgate.core.manifest import REPO_ROOT, Fixture, load
 from specgate.vllmside import fixtures, knownanswer
 from specgate.vllmside.fixtures import EOS_ID, MASK_ID, VOCAB
+
+if TYPE_CHECKING:   # torch: imported by the tests that run, not by collecting the fast tier
+    import torch
 
 CLI = [sys.executable, "-m", "specgate.vllmside.fixtures"]
 
@@ -64,6 +66,8 @@ def _by_kind(built: dict[str, Path], kind: str) -> Path:
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     return load_file(str(folder / "model.safetensors"))
 
 
@@ -289,6 +293,7 @@ def test_mtp_weights_sit_next_to_the_body(built):
 
 @pytest.mark.vllm
 def test_qwen35_loads_in_transformers_with_no_missing_weights(built):
+    import torch
     from transformers import Qwen3_5ForCausalLM
 
     model, info = Qwen3_5ForCausalLM.from_pretrained(str(_by_kind(built, "qwen35-mtp-random")),
@@ -299,6 +304,8 @@ def test_qwen35_loads_in_transformers_with_no_missing_weights(built):
 
 @pytest.mark.vllm
 def test_draft_configs_and_shapes(built):
+    import torch
+
     for kind in ("eagle3-random", "eagle3-successor"):
         folder = _by_kind(built, kind)
         config, tensors = _config(folder), _tensors(folder)
@@ -329,6 +336,7 @@ CONTEXT_LENGTH = 512      # positions checked per prompt (the e2e prompts reach 
 
 
 def _context_model(built: dict[str, Path], kind: str):
+    import torch
     from transformers import Qwen2ForCausalLM, Qwen3ForCausalLM
 
     cls = {"qwen3-context": Qwen3ForCausalLM, "mimo-mtp-context": Qwen2ForCausalLM}[kind]
@@ -338,6 +346,8 @@ def _context_model(built: dict[str, Path], kind: str):
 def _answers(model, seq: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits at every position of `seq` (bf16 weights), under a boolean [L, L] mask of the keys
     each query may see (default: causal)."""
+    import torch
+
     ids = torch.tensor([seq])
     if mask is None:
         return model(ids).logits[0].float()
@@ -349,6 +359,8 @@ def _answers(model, seq: list[int], mask: torch.Tensor | None = None) -> torch.T
 @pytest.mark.vllm
 def test_context_targets_follow_their_rule_exactly_in_bf16(built, kind):
     """Long sequences: at every position the analytic answer x[t-1] + 2 wins by sqrt(512) logits."""
+    import torch
+
     model = _context_model(built, kind)
     for prompt in CONTEXT_PROMPTS:
         seq = prompt + knownanswer.continuation(knownanswer.CONTEXT_RULE, prompt, CONTEXT_LENGTH - len(prompt), VOCAB)
@@ -362,6 +374,8 @@ def test_context_targets_follow_their_rule_exactly_in_bf16(built, kind):
 
 def _block_masks(length: int, block: int) -> dict[str, torch.Tensor]:
     """Attention faults of a verification step, applied to every block of `block` queries."""
+    import torch
+
     causal = torch.ones(length, length).tril().bool()
     pos = torch.arange(length)
     same_block = (pos[:, None] // block) == (pos[None, :] // block)
@@ -393,6 +407,8 @@ def test_context_kernel_margins_hold_on_the_built_weights(built):
     """The scores the built bf16 q/k weights give, through RoPE, are the documented kernel: the
     previous-token head's best key is d = 1, the self head's best causal key is d = 0 and its
     best key overall d = -1, each by the documented margin (in softmax logits)."""
+    import torch
+
     w = _tensors(_by_kind(built, "qwen3-context"))
     attn = "model.layers.0.self_attn."
     x = math.sqrt(VOCAB) * torch.eye(VOCAB, dtype=torch.bfloat16)[7:8]            # any token: content-free
@@ -415,6 +431,7 @@ def test_context_kernel_margins_hold_on_the_built_weights(built):
 @pytest.mark.parametrize("kind", ["qwen3-random", "mimo-mtp-random", "qwen35-mtp-random"])
 @pytest.mark.vllm
 def test_random_targets_follow_their_planted_map_with_a_wide_margin(built, kind):
+    import torch
     from transformers import AutoConfig, AutoTokenizer, Qwen2ForCausalLM, Qwen3_5ForCausalLM, Qwen3ForCausalLM
 
     folder = _by_kind(built, kind)
@@ -436,6 +453,8 @@ def test_random_targets_follow_their_planted_map_with_a_wide_margin(built, kind)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    import torch
+
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()).to(x.dtype)
 
@@ -443,6 +462,8 @@ def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.vllm
 def test_eagle3_successor_moves_one_token_per_step(built):
     """vLLM's EAGLE-3 layer (norm_before_residual, attention output zero) on every token."""
+    import torch
+
     w = _tensors(_by_kind(built, "eagle3-successor"))
     tokens = torch.arange(VOCAB)
     onehot = torch.eye(VOCAB, dtype=torch.bfloat16)
@@ -462,6 +483,8 @@ def test_mimo_mtp_context_layer_proposes_the_successor(built):
     """At position i the MTP layer gets embed(t_{i+1}) and the target's hidden state there,
     e(t_{i+1}) (the context rule); it proposes t_{i+1} + 1 through the identity lm_head, with
     or without the embedding (MiMo zeroes it at position 0), and not from a shifted state."""
+    import torch
+
     w = _tensors(_by_kind(built, "mimo-mtp-context"))
     mtp = "model.mtp_layers.0."
     tokens = torch.arange(VOCAB)
@@ -479,6 +502,8 @@ def test_mimo_mtp_context_layer_proposes_the_successor(built):
 
 
 def _neox_rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    import torch
+
     half = x.shape[-1] // 2
     inv_freq = 1.0 / base ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))
     angles = positions.float()[:, None] * inv_freq
@@ -496,6 +521,8 @@ def test_dflash_successor_slot_j_drafts_bonus_plus_j(built, k, start, target_nam
     [x, mask * k] at positions start..start+k attends to itself and to `start` context
     positions whose keys and values are zero (fc = 0). The same under the spread target's
     lm_head, which also scores a + j for every residual dim a: the drafts stay exact."""
+    import torch
+
     w = _tensors(_by_kind(built, "dflash-successor"))
     target = _tensors(built[target_name])     # DFlash shares its embedding and lm_head
     target_lm_head = target["lm_head.weight"]

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from contract import VALIDATOR, read_valid
 
 from specgate.core.manifest import REPO_ROOT
@@ -431,10 +430,14 @@ def test_the_engine_child_installs_a_mutant_only_when_named(tmp_path, mutant):
 
 
 def _row(*tokens):
+    import torch  # here, not at the top: collecting the fast tier need not import torch
+
     return torch.tensor(tokens, dtype=torch.int32)
 
 
 def test_accept_one_extra_emits_the_rejected_draft_then_the_targets_next_token():
+    import torch
+
     logits = torch.zeros(3, 10)
     logits[0, 1], logits[1, 9], logits[2, 7] = 1, 1, 1       # the target's argmax per draft position
     row = _row(1, 9, -1, -1)                                   # draft 0 accepted, draft 1 (5) rejected -> 9
@@ -455,6 +458,8 @@ def test_verify_blocks_find_the_requests_with_drafts():
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
     output = SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2, 3], "c": [4]})
     assert list(catalogue._verify_blocks(runner, output, np.array([4, 1, 2]))) == [(0, 4, 3), (5, 2, 1)]
+    import torch
+
     positions = torch.arange(7)
     catalogue._shift_draft_positions(SimpleNamespace(positions=positions), 0, 4, 3)
     assert positions.tolist() == [0, 2, 3, 4, 4, 5, 6]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from specgate.ciside import buildkite, charts, drift, history
+from specgate.ciside import buildkite, drift, history
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli
 from specgate.sessions import lifecycle
@@ -47,6 +47,8 @@ def review(ctx: lifecycle.Context, settings: Mapping[str, Any]) -> int:
         print(f"error: {exc}", flush=True)
         record["drift"] = drift.unchecked(f"the history could not be read: {exc}")
         code = getattr(exc, "exit_code", exitcodes.BAD_INPUT)
+    from specgate.ciside import charts  # matplotlib: only once the run is reviewed
+
     mine = history.run_key(record)
     chart = charts.write(artifacts.artifacts_dir(SESSION) / CHART, charts.acceptance_figure, record,
                          [run for run in runs if run.key != mine][:spec.window])

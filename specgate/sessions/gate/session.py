@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specgate.ciside import buildkite, charts, history
+from specgate.ciside import buildkite, history
 from specgate.ciside.history import FAILED, STEPS, Run
 from specgate.contract import artifacts, exitcodes
 from specgate.core import cli
@@ -254,6 +254,8 @@ def step(ctx: lifecycle.Context) -> int:
     print()
     for verdict in verdicts:
         print(verdict.describe())
+    from specgate.ciside import charts  # matplotlib: only once the verdicts are in
+
     chart = charts.write(artifacts.artifacts_dir(SESSION) / CHART, charts.window_figure,
                          [(v.step, v.verdict_line(), [(run.label, mark) for run, mark in reversed(v.marks)])
                           for v in verdicts])
