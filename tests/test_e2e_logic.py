@@ -47,7 +47,7 @@ def test_real_manifest_settings_parse():
 
 
 @pytest.mark.parametrize("old,new,message", [
-    ("known_answer_max_tokens = 64", "known_answer_max_tokens = 0",
+    ("known_answer_max_tokens = 72", "known_answer_max_tokens = 0",
      "key 'e2e.known_answer_max_tokens': expected a positive integer, got 0"),
     ('compile_backend = "inductor"', "compile_backend = 1", "key 'e2e.compile_backend': expected a string, got 1"),
     ("known_answer_prompts = [", "known_answer_prompts = [[], ",
