@@ -240,8 +240,11 @@ def test_the_timeout_ends_every_process_of_the_attempt_and_exits_124(tmp_path):
     assert proc.returncode == 124, out
     assert time.monotonic() - started < 30
     marker = marker_file.read_text().strip()
-    # Left after timeout returned: the TERM-ignoring bash and its sleep, and the setsid one.
-    assert marker and "run-cpu-test: ending 3 process(es) left by attempt 1" in out
+    # Left after timeout returned: the TERM-ignoring bash and its sleep, and the setsid one; on a
+    # loaded machine also a process the group's SIGTERM had not finished ending ("ending 4" in a
+    # CI run). That they are all gone is asserted below.
+    swept = re.search(r"run-cpu-test: ending (\d+) process\(es\) left by attempt 1", out)
+    assert marker and swept and int(swept.group(1)) >= 3, out
     assert _gone(pids), f"still running: {[p for p in pids if _alive(p)]}"
     assert _marked(marker) == []
     assert [line for line in out.splitlines() if "->" in line] == [
