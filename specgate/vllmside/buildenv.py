@@ -216,8 +216,12 @@ def _replace(target: Path, data: bytes) -> None:
     files to its cache, so an edit in place would change the release's file in uv's cache and
     in every venv on the machine linked to it."""
     fresh = target.with_name(f".{target.name}.specgate-new")
-    fresh.write_bytes(data)
-    os.replace(fresh, target)
+    try:
+        fresh.write_bytes(data)
+        os.replace(fresh, target)
+    except BaseException:   # a full disk leaves the old file, not a stray half of the new one
+        fresh.unlink(missing_ok=True)
+        raise
 
 
 def _merged(release: bytes, base: bytes, ours: Path, name: str) -> bytes:
