@@ -11,8 +11,8 @@ bytes, so any change means a new folder.
 
 Every model shares one shape so that any draft pairs with any target: vocabulary V = 512,
 hidden size 512, heads of dimension 64 (CPU attention rejects 16), two target layers. The one
-exception is the MiMo context target (1024 wide, see MIMO_CONTEXT_HIDDEN), whose only draft is
-its own MTP layer.
+exception is the MiMo context target (1024 wide and one layer, see MIMO_CONTEXT_HIDDEN), whose
+only draft is its own MTP layer.
 
 Known-answer fixtures have weights set by hand. The "context" targets continue a prompt by
 reading the previous token through attention (specgate.knownanswer: x[t-1] + 2), so a fault in
@@ -493,8 +493,11 @@ def build_mimo_mtp_random(p: dict[str, Any]) -> Built:
 
 
 # vLLM's Qwen2 attention takes head_dim = hidden_size / heads, so MiMo's 16 heads of 64 need a
-# 1024-wide residual (tokens in its first V dimensions).
+# 1024-wide residual (tokens in its first V dimensions). Its body has only the layer the design
+# reads through (layer 0): a second layer would add nothing but zeros to the residual, and at
+# this width every verified token pays for it (an MTP sampling phase is GEMM-bound).
 MIMO_CONTEXT_HIDDEN = CONTEXT_HEADS * HEAD_DIM
+MIMO_CONTEXT_LAYERS = 1
 
 
 @_kind("mimo-mtp-context", seed=0, spread=[])
@@ -510,7 +513,7 @@ def build_mimo_mtp_context(p: dict[str, Any]) -> Built:
     """
     import torch
 
-    config = _mimo_config(**_CONTEXT, hidden_size=MIMO_CONTEXT_HIDDEN)
+    config = _mimo_config(**_CONTEXT, hidden_size=MIMO_CONTEXT_HIDDEN, num_hidden_layers=MIMO_CONTEXT_LAYERS)
     tensors = _randomize(_mimo_shapes(config), p["seed"])
     facts = _make_context(tensors, "model.", qk_norm=False, hidden=MIMO_CONTEXT_HIDDEN, spread=p["spread"])
     shift = _token_map(MIMO_CONTEXT_HIDDEN, 1)
