@@ -36,11 +36,30 @@ def test_each_failed_engine_gets_a_fresh_child_and_the_host_pays_the_import_once
                          text=True, timeout=600, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "0"
-    data = json.loads(result.read_text())
+    data = engine.read_answer(result)
     assert data["stopped"] is None and sorted(data["results"]) == ["a", "b"]
     first, second = data["results"]["a"], data["results"]["b"]
     assert "no-such-model-a" in first["error"]["message"] and "no-such-model-b" in second["error"]["message"]
     assert first["import_s"] > 1.0 > second["import_s"]   # the host imported vLLM; the second child inherited it
+
+
+def test_the_answer_survives_a_child_that_died_while_writing_a_result(tmp_path):
+    """Each engine's result is a record of its own: one cut short by a dying child is skipped,
+    and the records before it and those a fresh child appends after it still count; the host's
+    import goes to the first engine it started."""
+    path = tmp_path / "result.json"
+    engine._append_record(path, {"results": {"blocked": {"error": None, "blocked": "why"}}, "probes": {},
+                                 "stopped": None})
+    engine._append_record(path, {"host_import": {"engine": "a", "s": 7.5}})
+    engine._append_record(path, {"results": {"a": {"error": None, "import_s": 0.01}}})
+    with path.open("a") as out:   # the next child's engine, killed mid-write
+        out.write("\n" + json.dumps({"results": {"b": {"error": None, "import_s": 0.0}}})[:25])
+    engine._append_record(path, {"stopped": "an engine failed"})
+    engine._append_record(path, {"results": {"c": {"error": None, "import_s": 0.0}}})
+    answer = engine.read_answer(path)
+    assert sorted(answer["results"]) == ["a", "blocked", "c"] and answer["stopped"] == "an engine failed"
+    assert answer["results"]["a"]["import_s"] == 7.51 and answer["results"]["c"]["import_s"] == 0.0
+    assert engine.read_answer(tmp_path / "never-written.json") == {"results": {}}
 
 
 def test_a_child_killed_by_a_signal_ends_the_host_with_its_status(tmp_path, monkeypatch):

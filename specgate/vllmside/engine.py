@@ -432,26 +432,23 @@ LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's 
 
 def _generate_all(engines: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
                   mutant_fired: Callable[[], int] | None = None) -> None:
-    """Engine child: engines one after another in this process, the result file (the host's
-    `answer`, with the results of earlier children) rewritten after each. Stops early (the
-    host forks a fresh child for the rest) after a failed engine or phase, whose leftovers
-    could spoil the next, or once llvmlite is loaded."""
-    results = answer["results"]
+    """Engine child: engines one after another in this process, each one's result appended to
+    the result file as it ends. Stops early (the host forks a fresh child for the rest) after a
+    failed engine or phase, whose leftovers could spoil the next, or once llvmlite is loaded."""
     stopped = None
     for index, spec in enumerate(engines):
         if index and "llvmlite" in sys.modules:
             stopped = LLVMLITE_DEFECT
             break
-        result = results[spec["key"]] = generate(spec["llm"], spec["phases"], probes=answer.get("probes"),
-                                                 mutant_fired=mutant_fired)
+        result = generate(spec["llm"], spec["phases"], probes=answer.get("probes"), mutant_fired=mutant_fired)
         # What outlived the shutdown is module state: frozen, the next engine's many full
         # gc.collect calls (vLLM's, during start and shutdown: host_owns_gc_freeze) skip it.
         gc.freeze()
-        _write_json(result_path, {**answer, "stopped": None})
+        _append_record(result_path, {"results": {spec["key"]: result}})
         if result["error"] or any(p["error"] for p in result["phases"].values()):
             stopped = "an engine failed"
             break
-    _write_json(result_path, {**answer, "stopped": stopped})
+    _append_record(result_path, {"stopped": stopped})
 
 
 def _fork_engines(engines: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
@@ -475,10 +472,31 @@ def _fork_engines(engines: list[dict[str, Any]], result_path: Path, answer: dict
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
+def _append_record(path: Path, record: dict[str, Any]) -> None:
+    """One record of the host's answer, on a line of its own: each engine's result is written
+    once (not the whole answer again after every engine), and a child that dies while writing
+    leaves a broken line, which read_answer skips, never a broken file."""
+    with path.open("a", encoding="utf-8") as out:
+        out.write("\n" + json.dumps(record))
+
+
+def read_answer(path: Path) -> dict[str, Any]:
+    """The host's answer: its records merged in the order written, results by engine key; the
+    import the host paid for all goes to the first engine it started."""
+    answer: dict[str, Any] = {"results": {}}
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:   # empty, or cut short by a child that died
+            continue
+        answer["results"].update(record.pop("results", {}))
+        answer.update(record)
+    host_import = answer.pop("host_import", None)
+    first = host_import and answer["results"].get(host_import["engine"])
+    if first and "import_s" in first:
+        first["import_s"] = round(first["import_s"] + host_import["s"], 2)
+    return answer
 
 
 class HostAnswer(NamedTuple):
@@ -519,7 +537,7 @@ def run_engines(engines: list[dict[str, Any]], workdir: Path, *, env: dict[str, 
             processes.end_process_tree(proc.pid)
             proc.wait()
             why = f"{TIMED_OUT} ({timeout_s:.0f} s per engine) and was killed"
-        answer = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else {"results": {}}
+        answer = read_answer(result_path)
         if "v2_blocker" in answer:
             v2_known, v2_blocker, probes = True, answer["v2_blocker"], answer["probes"]
         results.update({key: {**result, "process": attempt} for key, result in answer["results"].items()})
@@ -535,19 +553,18 @@ def _fork_until_done(runs: list[dict[str, Any]], result_path: Path, answer: dict
                      mutant_fired: Callable[[], int] | None) -> int:
     """Host side: fork engine children until every run has a result; the first engine
     started carries the import the host paid for all. Returns 0, or a dead child's status."""
-    first = True
+    first = [r for r in runs if r["key"] not in answer["results"]][:1]
+    if first:
+        _append_record(result_path, {"host_import": {"engine": first[0]["key"], "s": import_s}})
     while pending := [r for r in runs if r["key"] not in answer["results"]]:
         code = _fork_engines(pending, result_path, answer, mutant_fired)
         if code:
             return code
-        done = json.loads(result_path.read_text(encoding="utf-8"))["results"]
+        done = read_answer(result_path)["results"]
         if len(done) == len(answer["results"]):   # a child that ran nothing would be forked forever
             raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
-        if first:
-            done[pending[0]["key"]]["import_s"] = round(done[pending[0]["key"]]["import_s"] + import_s, 2)
-            first = False
         answer["results"] = done
-    _write_json(result_path, {**answer, "stopped": None})
+    _append_record(result_path, {"stopped": None})
     return 0
 
 
@@ -597,7 +614,7 @@ def main(argv: list[str]) -> int:
                if (why := environment_block(r.get("models", [])) or (r.get("only_v2") and v2_blocker))}
     answer: dict[str, Any] = {"results": {key: {"error": None, "blocked": why} for key, why in blocked.items()},
                               "v2_blocker": v2_blocker, "probes": probe_in_child(), "stopped": None}
-    _write_json(result_path, answer)   # a host that dies later still leaves this
+    _append_record(result_path, answer)   # a host that dies later still leaves this
     pending = [r for r in runs if r["key"] not in answer["results"]]
     architectures = [[a for a, _ in r.get("models", [])] + [draft_architecture(r["llm"])] for r in pending]
     # The first engine inspects its own classes at once; the thread answers for the later ones.
