@@ -231,7 +231,8 @@ def test_describe_reports_facts_and_the_known_answer_rule(built, use_cache):
         if info["role"] == "target":
             assert info["known_answer"] == (knownanswer.CONTEXT_RULE if info["kind"].endswith("-context") else None)
     dflash = fixtures.describe(manifest, "dflash-successor")
-    assert dflash["mask_token_id"] == MASK_ID and dflash["aux_layer_ids"] == [1, 2]
+    assert dflash["mask_token_id"] == MASK_ID and dflash["aux_layer_ids"] == [1]   # the context target's one layer
+    assert dflash["target_shape"]["num_hidden_layers"] == fixtures.CONTEXT_LAYERS == 1
     assert dflash["max_speculative_tokens"] == 5
     assert fixtures.describe(manifest, "eagle3-random")["aux_layer_ids"] == [0, 1, 2]
     assert fixtures.describe(manifest, "tiny-qwen3")["speculative_method"] == "ngram"
@@ -306,22 +307,23 @@ def test_qwen35_loads_in_transformers_with_no_missing_weights(built):
 def test_draft_configs_and_shapes(built):
     import torch
 
-    for kind in ("eagle3-random", "eagle3-successor"):
+    # The random drafts fit the two-layer random targets, the successor drafts the one-layer context targets.
+    for kind, aux in (("eagle3-random", [0, 1, 2]), ("eagle3-successor", [0, 1])):
         folder = _by_kind(built, kind)
         config, tensors = _config(folder), _tensors(folder)
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
-        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == aux
         assert config["draft_vocab_size"] == VOCAB and config["target_hidden_size"] == 512
-        assert tensors["fc.weight"].shape == (512, 3 * 512)
+        assert tensors["fc.weight"].shape == (512, len(aux) * 512)
         assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 512
         assert tensors["lm_head.weight"].shape == (VOCAB, 512)
         assert not any("embed_tokens" in n for n in tensors), "shared from the target"
-    for kind in ("dflash-random", "dflash-successor"):
+    for kind, layers in (("dflash-random", [0, 1]), ("dflash-successor", [0])):
         folder = _by_kind(built, kind)
         config, tensors = _config(folder), _tensors(folder)
         assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-        assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0, 1]}
-        assert tensors["fc.weight"].shape == (512, 2 * 512)
+        assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": layers}
+        assert tensors["fc.weight"].shape == (512, len(layers) * 512)
         assert not any("embed_tokens" in n or "lm_head" in n for n in tensors), "shared from the target"
         assert all(t.dtype == torch.bfloat16 for t in tensors.values())
 
@@ -467,7 +469,8 @@ def test_eagle3_successor_moves_one_token_per_step(built):
     w = _tensors(_by_kind(built, "eagle3-successor"))
     tokens = torch.arange(VOCAB)
     onehot = torch.eye(VOCAB, dtype=torch.bfloat16)
-    hidden = torch.cat([onehot] * 3, dim=1) @ w["fc.weight"].T            # aux states are e(t)
+    aux = len(fixtures.EAGLE3_CONTEXT_AUX_LAYERS)
+    hidden = torch.cat([onehot] * aux, dim=1) @ w["fc.weight"].T          # aux states are e(t)
     for step in range(1, 4):
         residual = _rms(hidden, w["midlayer.hidden_norm.weight"])
         x = _rms(residual, w["midlayer.post_attention_layernorm.weight"])

@@ -10,9 +10,10 @@ specgate.knownanswer), the kind, the params and the versions of the libraries th
 bytes, so any change means a new folder.
 
 Every model shares one shape so that any draft pairs with any target: vocabulary V = 512,
-hidden size 512, heads of dimension 64 (CPU attention rejects 16), two target layers. The one
-exception is the MiMo context target (1024 wide and one layer, see MIMO_CONTEXT_HIDDEN), whose
-only draft is its own MTP layer.
+hidden size 512, heads of dimension 64 (CPU attention rejects 16), two target layers. The
+exceptions are the context targets, which have the one layer their design reads through
+(CONTEXT_LAYERS; the successor drafts that pair with them take their aux states from it), and
+the MiMo context target, 1024 wide (MIMO_CONTEXT_HIDDEN), whose only draft is its own MTP layer.
 
 Known-answer fixtures have weights set by hand. The "context" targets continue a prompt by
 reading the previous token through attention (specgate.knownanswer: x[t-1] + 2), so a fault in
@@ -205,12 +206,12 @@ def _target_facts(config: Any, method: str | None = None) -> dict[str, Any]:
 
 
 def _draft_facts(config: dict[str, Any], method: str, aux_layer_ids: list[int], successor: bool,
-                 **extra: Any) -> dict[str, Any]:
+                 target_layers: int = TARGET_LAYERS, **extra: Any) -> dict[str, Any]:
     return {
         "role": "draft", "architecture": config["architectures"][0], "model_type": config["model_type"],
         "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
         "speculative_method": method, "aux_layer_ids": aux_layer_ids, "successor": successor,
-        "target_shape": {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": TARGET_LAYERS},
+        "target_shape": {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": target_layers},
         **extra,
     }
 
@@ -271,7 +272,7 @@ def build_qwen3_random(p: dict[str, Any]) -> Built:
 # margin of sqrt(V) = 22.6 logits. Faults move the answer: a future key leaking into the block
 # leaves CONTEXT_EMBED * (e(x[t+1]) - e(x[t])), which outweighs the previous-token term (the
 # answer becomes x[t+1]); a missing, stale or mispositioned key changes what either head reads.
-# Every other layer output (layer 0's MLP, all of layer 1) is zero.
+# Every other layer output (layer 0's MLP) is zero, and there is no other layer (CONTEXT_LAYERS).
 CONTEXT_EMBED = 2.0
 CONTEXT_SCORE_MARGIN = 30.0
 CONTEXT_HEADS, CONTEXT_KV_HEADS = 16, 8
@@ -355,11 +356,15 @@ def _answer_head(hidden: int, spread: Sequence[float]) -> Any:
     return head
 
 
-# The design zeroes every MLP output, so the MLP's width buys nothing but compute: 64 keeps it
-# computing on real numbers (a NaN there still reaches the logits) at a sixteenth of the
-# default's cost; a sampling phase verifies over 12k request tokens per engine.
+# The design reads through layer 0 and zeroes every MLP output, so a second layer would add only
+# zeros to the residual, and the MLP's width buys nothing but compute: both cost every verified
+# token (a sampling phase verifies over 12k request tokens per engine) and a second layer every
+# engine start its tracing. A 64-wide MLP still computes on real numbers (a NaN there still
+# reaches the logits) at a sixteenth of the default's cost.
+CONTEXT_LAYERS = 1
 CONTEXT_MLP = 64
-_CONTEXT = dict(num_attention_heads=CONTEXT_HEADS, num_key_value_heads=CONTEXT_KV_HEADS, intermediate_size=CONTEXT_MLP,
+_CONTEXT = dict(num_hidden_layers=CONTEXT_LAYERS, num_attention_heads=CONTEXT_HEADS,
+                num_key_value_heads=CONTEXT_KV_HEADS, intermediate_size=CONTEXT_MLP,
                 rope_parameters={"rope_type": "default", "rope_theta": knownanswer.ROPE_THETA})
 
 
@@ -381,10 +386,12 @@ def build_qwen3_context(p: dict[str, Any]) -> Built:
 
 # Target layers whose hidden states feed the draft's fc: 0 is the embedding output, L the last
 # layer's. Set explicitly: for a 2-layer target the default (2, L // 2, L - 3) has only 2 states.
+# The successor draft pairs with the one-layer context targets: the embedding's and the layer's.
 EAGLE3_AUX_LAYERS = [0, 1, TARGET_LAYERS]
+EAGLE3_CONTEXT_AUX_LAYERS = [0, CONTEXT_LAYERS]
 
 
-def _eagle3_config(**overrides: Any) -> dict[str, Any]:
+def _eagle3_config(aux_layers: list[int] = EAGLE3_AUX_LAYERS, **overrides: Any) -> dict[str, Any]:
     from transformers import LlamaConfig
 
     config = LlamaConfig(**{**_COMMON, "num_hidden_layers": 1,
@@ -393,7 +400,7 @@ def _eagle3_config(**overrides: Any) -> dict[str, Any]:
         **_config_dict(config),
         "draft_vocab_size": VOCAB,        # no d2t/t2d maps needed
         "target_hidden_size": HIDDEN,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers,
                          "use_aux_hidden_state": True},
         **overrides,
     }
@@ -410,7 +417,7 @@ def _eagle3_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "midlayer.mlp.gate_proj.weight": (inter, h),
         "midlayer.mlp.up_proj.weight": (inter, h),
         "midlayer.mlp.down_proj.weight": (h, inter),
-        "fc.weight": (h, HIDDEN * len(EAGLE3_AUX_LAYERS)),
+        "fc.weight": (h, HIDDEN * len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])),
         "lm_head.weight": (VOCAB, h),
     }
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
@@ -445,17 +452,18 @@ def build_eagle3_successor(p: dict[str, Any]) -> Built:
     """
     import torch
 
-    config = _eagle3_config(norm_before_residual=True, intermediate_size=VOCAB)
+    config = _eagle3_config(EAGLE3_CONTEXT_AUX_LAYERS, norm_before_residual=True, intermediate_size=VOCAB)
     tensors = _randomize(_eagle3_shapes(config), p["seed"])
     eye = torch.eye(VOCAB)
     tensors["midlayer.self_attn.o_proj.weight"].zero_()
-    unused_aux = torch.zeros(VOCAB, HIDDEN * (len(EAGLE3_AUX_LAYERS) - 1))
+    unused_aux = torch.zeros(VOCAB, HIDDEN * (len(EAGLE3_CONTEXT_AUX_LAYERS) - 1))
     tensors["fc.weight"] = torch.cat([eye, unused_aux], dim=1)
     tensors["midlayer.mlp.gate_proj.weight"] = 4 * eye
     tensors["midlayer.mlp.up_proj.weight"] = eye.clone()
     tensors["midlayer.mlp.down_proj.weight"] = _token_map(HIDDEN, 1) / 64 - eye / (4 * math.sqrt(VOCAB))
     tensors["lm_head.weight"] = _token_map(HIDDEN, 1)
-    return Built(config, tensors, _draft_facts(config, "eagle3", EAGLE3_AUX_LAYERS, successor=True))
+    return Built(config, tensors, _draft_facts(config, "eagle3", EAGLE3_CONTEXT_AUX_LAYERS, successor=True,
+                                               target_layers=CONTEXT_LAYERS))
 
 
 # ---------------------------------------------------------------------------
@@ -493,11 +501,8 @@ def build_mimo_mtp_random(p: dict[str, Any]) -> Built:
 
 
 # vLLM's Qwen2 attention takes head_dim = hidden_size / heads, so MiMo's 16 heads of 64 need a
-# 1024-wide residual (tokens in its first V dimensions). Its body has only the layer the design
-# reads through (layer 0): a second layer would add nothing but zeros to the residual, and at
-# this width every verified token pays for it (an MTP sampling phase is GEMM-bound).
+# 1024-wide residual (tokens in its first V dimensions).
 MIMO_CONTEXT_HIDDEN = CONTEXT_HEADS * HEAD_DIM
-MIMO_CONTEXT_LAYERS = 1
 
 
 @_kind("mimo-mtp-context", seed=0, spread=[])
@@ -513,7 +518,7 @@ def build_mimo_mtp_context(p: dict[str, Any]) -> Built:
     """
     import torch
 
-    config = _mimo_config(**_CONTEXT, hidden_size=MIMO_CONTEXT_HIDDEN, num_hidden_layers=MIMO_CONTEXT_LAYERS)
+    config = _mimo_config(**_CONTEXT, hidden_size=MIMO_CONTEXT_HIDDEN)
     tensors = _randomize(_mimo_shapes(config), p["seed"])
     facts = _make_context(tensors, "model.", qk_norm=False, hidden=MIMO_CONTEXT_HIDDEN, spread=p["spread"])
     shift = _token_map(MIMO_CONTEXT_HIDDEN, 1)
@@ -526,14 +531,15 @@ def build_mimo_mtp_context(p: dict[str, Any]) -> Built:
 # ---------------------------------------------------------------------------
 
 DFLASH_TARGET_LAYERS = [0, TARGET_LAYERS - 1]       # vLLM adds 1: aux states after layers 1, 2
+DFLASH_CONTEXT_TARGET_LAYERS = [CONTEXT_LAYERS - 1]  # the successor's: after the context target's layer
 
 
-def _dflash_config(**overrides: Any) -> dict[str, Any]:
+def _dflash_config(target_layer_ids: list[int] = DFLASH_TARGET_LAYERS, **overrides: Any) -> dict[str, Any]:
     config = _qwen3_config(num_hidden_layers=1, architectures=["DFlashDraftModel"], **overrides)
     return {
         **_config_dict(config),
         "target_hidden_size": HIDDEN,
-        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": DFLASH_TARGET_LAYERS},
+        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": target_layer_ids},
     }
 
 
@@ -551,7 +557,7 @@ def _dflash_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         f"{layer}mlp.gate_proj.weight": (inter, h),
         f"{layer}mlp.up_proj.weight": (inter, h),
         f"{layer}mlp.down_proj.weight": (h, inter),
-        "fc.weight": (h, HIDDEN * len(DFLASH_TARGET_LAYERS)),
+        "fc.weight": (h, HIDDEN * len(config["dflash_config"]["target_layer_ids"])),
     }
     for norm in (f"{layer}input_layernorm", f"{layer}post_attention_layernorm", "hidden_norm", "norm"):
         shapes[f"{norm}.weight"] = (h,)
@@ -559,9 +565,10 @@ def _dflash_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _dflash_facts(config: dict[str, Any], successor: bool, **extra: Any) -> dict[str, Any]:
-    aux = [i + 1 for i in DFLASH_TARGET_LAYERS]
-    return _draft_facts(config, "dflash", aux, successor, mask_token_id=MASK_ID,
-                        target_layer_ids=DFLASH_TARGET_LAYERS, **extra)
+    layers = config["dflash_config"]["target_layer_ids"]
+    return _draft_facts(config, "dflash", [i + 1 for i in layers], successor,
+                        CONTEXT_LAYERS if successor else TARGET_LAYERS, mask_token_id=MASK_ID,
+                        target_layer_ids=layers, **extra)
 
 
 @_kind("dflash-random", seed=0)
@@ -623,7 +630,8 @@ def build_dflash_successor(p: dict[str, Any]) -> Built:
     if not 1 <= k_max <= 8:
         raise FixtureError(f"dflash-successor: max_speculative_tokens must be 1..8, got {k_max}")
     heads = 8 * k_max
-    config = _dflash_config(num_attention_heads=heads, num_key_value_heads=8, intermediate_size=64)
+    config = _dflash_config(DFLASH_CONTEXT_TARGET_LAYERS, num_attention_heads=heads, num_key_value_heads=8,
+                            intermediate_size=64)
     tensors = _randomize(_dflash_shapes(config), p["seed"])
     const, margin = dflash_kernel(k_max)
     # Pre-RoPE key and query vectors: amplitude sqrt(a) on pair i, query phase -h * theta_i.
