@@ -168,3 +168,29 @@ def test_numba_kernels_are_kept_and_a_damaged_copy_is_compiled_again(tmp_path):
         assert hits() == 0 and hits() == 1
     env.pop("NUMBA_CACHE_DIR")
     assert hits() == 0 and not list(tmp_path.glob("src/__pycache__/*.nb*"))   # unset: nothing kept
+
+
+@pytest.mark.vllm
+def test_numba_kernels_run_uncached_when_the_cache_disk_is_full(tmp_path):
+    """NUMBA_CACHE_DIR on a full disk (a real tmpfs): nothing is kept and the kernel runs all the
+    same, also once its index is there but damaged (forgetting it cannot be written either)."""
+    from test_disk_full import tmpfs
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "kernels.py").write_text(KERNEL)
+    with tmpfs(tmp_path / "numba", "256k") as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+
+        def hits() -> int:
+            proc = subprocess.run([sys.executable, "-c", RUN_KERNEL, str(tmp_path / "src")], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            return int(proc.stdout.split()[-1])
+
+        assert hits() == 0 and hits() == 1
+        index = next(cache.rglob("*.nbi"))
+        index.write_bytes(os.urandom(index.stat().st_size))
+        with (cache / "filler").open("wb", buffering=0) as f, pytest.raises(OSError, match="No space left"):
+            while True:
+                f.write(b"\0" * 4096)
+        assert hits() == 0 and hits() == 0

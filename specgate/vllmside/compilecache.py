@@ -139,11 +139,12 @@ def _forgive_damage(cache: Any) -> None:
         try:
             return load(*args)
         except Exception:   # an index or data file numba cannot read: a miss, and a fresh index
-            cache.flush()
+            with contextlib.suppress(OSError):   # unless the disk is full: a miss all the same
+                cache.flush()
             return None
 
     def save_if_possible(*args: Any) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):   # a full disk, or an index it could not forget: no copy kept
             save(*args)
 
     cache.load_overload, cache.save_overload = load_or_forget, save_if_possible

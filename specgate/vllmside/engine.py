@@ -424,8 +424,8 @@ def relay(error: dict[str, str | None]) -> BaseException:
     return EngineProcessError(f"{error['type']}: {error['message']}\n{error['traceback']}")
 
 
-# vLLM 0.32's CPU worker start scans every loaded module and fails once llvmlite is loaded.
 NGRAM_PROPOSER = "vllm.v1.spec_decode.ngram_proposer"   # loads numba (llvmlite)
+# vLLM 0.32's CPU worker start scans every loaded module and fails once llvmlite is loaded.
 LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's CPU worker start "
                    "(vllm.triton_utils.dispatcher._rebind_kernels) fails on its lazy library wrapper")
 
