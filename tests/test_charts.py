@@ -11,6 +11,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 from histories import (
     EAGLE3,
     NGRAM,
@@ -23,13 +24,22 @@ from histories import (
     write_history,
 )
 
-from specgate.ciside import charts, history
+from specgate.ciside import history
 from specgate.sessions.gate import session as gate
 
 REPO = Path(__file__).resolve().parent.parent
 SVG = "{http://www.w3.org/2000/svg}"
 # The history's eagle3 entry ran on fixtures: the series names the draft's fixture first.
 EAGLE3_SERIES = "eagle3: eagle3-successor (stand-in for nm-testing/Llama3_2_1B_speculator.eagle3)"
+
+
+@pytest.fixture(scope="module")
+def charts():
+    """specgate.ciside.charts, imported by the worker that runs these tests: matplotlib takes
+    ~1 s to load, which every xdist worker would pay again collecting this file."""
+    from specgate.ciside import charts
+
+    return charts
 
 
 def parse(path: Path) -> ET.Element:
@@ -46,7 +56,7 @@ def texts(root: ET.Element) -> list[str]:
     return ["".join(t.itertext()).strip() for t in root.iter(f"{SVG}text")]
 
 
-def test_acceptance_chart_without_history_has_the_bars_only(tmp_path):
+def test_acceptance_chart_without_history_has_the_bars_only(tmp_path, charts):
     record = e2e_job(6, acceptance_len=1.55, rates=(0.35, 0.15, 0.05))
     root = parse(charts.write(tmp_path / "acceptance.svg", charts.acceptance_figure, record, []))
     assert ids(root, "bar:") == [f"bar:{EAGLE3_SERIES}:position {p}" for p in (1, 2, 3)]
@@ -56,7 +66,7 @@ def test_acceptance_chart_without_history_has_the_bars_only(tmp_path):
     assert float(root.get("width").removesuffix("pt")) * 4 / 3 <= 1000   # fits a 1000-px annotation
 
 
-def test_acceptance_chart_with_history_draws_lengths_and_floors(tmp_path):
+def test_acceptance_chart_with_history_draws_lengths_and_floors(tmp_path, charts):
     folder = write_history(tmp_path, [e2e_job(n) for n in range(1, 6)])
     runs = history.read(history.Source(folder=folder))["cpu_e2e"]
     record = e2e_job(6, acceptance_len=1.55, rates=(0.35, 0.15, 0.05))
@@ -72,7 +82,7 @@ def test_acceptance_chart_with_history_draws_lengths_and_floors(tmp_path):
     assert len([u for u in line.iter(f"{SVG}use")]) == 6
 
 
-def test_series_are_one_per_speculative_engine(tmp_path):
+def test_series_are_one_per_speculative_engine(tmp_path, charts):
     record = e2e_job(6)
     record["tests"].append({**record["tests"][0], "nodeid": EAGLE3.replace("v1_matches_baseline", "known_answer"),
                             "threshold": 3.8})
@@ -80,7 +90,7 @@ def test_series_are_one_per_speculative_engine(tmp_path):
     assert series.label == EAGLE3_SERIES and series.floor == 1.5 and series.rates == [0.5, 0.25, 0.0938]
 
 
-def test_a_series_names_a_fixture_first_and_a_hub_checkpoint_as_before():
+def test_a_series_names_a_fixture_first_and_a_hub_checkpoint_as_before(charts):
     """A fixture that stood in: "<fixture> (stand-in for <hub id>)", never the bare hub id (it reads as
     real-checkpoint data); a hub checkpoint: the last part of its id; a fixture used directly: its name."""
     ngram = {**entry("t.py::test_ngram[ngram]", "passed"), "method": "ngram", "model_source": "fixture",
@@ -96,7 +106,7 @@ def test_a_series_names_a_fixture_first_and_a_hub_checkpoint_as_before():
         "ngram: tiny-qwen3 (stand-in for Qwen/Qwen3-0.6B)", "ngram: Qwen3-0.6B", "ngram: context-qwen3"]
 
 
-def test_a_run_that_drafted_nothing_says_so(tmp_path):
+def test_a_run_that_drafted_nothing_says_so(tmp_path, charts):
     record = job("cpu_e2e", 6, tests=passing("cpu_e2e"), engines=[])
     root = parse(charts.write(tmp_path / "acceptance.svg", charts.acceptance_figure, record, []))
     assert ids(root, "bar:") == [] and "no speculative engine drafted in this run" in texts(root)
@@ -124,7 +134,7 @@ def test_the_gate_draws_the_window_it_judged(tmp_path, capsys, monkeypatch):
     assert {"clean", "failure", "75", "flaky"} <= set(texts(root))   # the legend
 
 
-def test_the_annotation_shows_the_chart_above_the_table_and_the_drift_below(tmp_path):
+def test_the_annotation_shows_the_chart_above_the_table_and_the_drift_below(tmp_path, charts):
     """scripts/annotate.py as the pipeline runs it, on a cpu_e2e summary with and without its chart."""
     root = tmp_path / "artifacts"
     folder = root / "cpu_e2e"
@@ -152,7 +162,7 @@ def test_the_annotation_shows_the_chart_above_the_table_and_the_drift_below(tmp_
     assert "Drift not checked: no history: pass --history DIR" in annotate()
 
 
-def test_twenty_run_labels_on_the_window_axis_do_not_overlap():
+def test_twenty_run_labels_on_the_window_axis_do_not_overlap(charts):
     """A gate window of 20 runs (the default history reads 20 builds): every run label stays
     readable, none drawn over its neighbour, and 'not judged' has a mark of its own."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

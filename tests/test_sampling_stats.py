@@ -15,7 +15,9 @@ from functools import cache
 
 import numpy as np
 import pytest
-from scipy import optimize, special, stats
+
+# scipy.stats and scipy.optimize load in the tests that use them: ~1.5 s per xdist worker's collection
+from scipy import special
 
 from specgate.core import manifest
 from specgate.sessions.e2e import planning, sampling
@@ -136,6 +138,7 @@ def test_least_favourable_is_the_minimum_chi_square_distance_at_that_tv(p):
     TV exactly 0.05) never goes below it; per sign pattern, a numeric QP (SLSQP) reaches it
     within 1%. Catches tv instead of tv^2, a missing 1/P(A) or 1/P(B) term, a split that is not
     searched (p = [0.97, 0.01, ...]: only the heavy offset can lose 0.05)."""
+    from scipy import optimize
     p = np.array(p)
     best = sampling.least_favourable(list(p), TV)
     rng = np.random.default_rng(0)
@@ -189,6 +192,7 @@ def test_sample_size_is_the_fewest_even_below_the_first_doubling():
 def test_power_is_the_rejection_rate_at_the_least_favourable_shift():
     """The noncentral chi-square power is what Pearson's test actually achieves, by Monte Carlo,
     at the least favourable q (mass moved in proportion to p, from the best split)."""
+    from scipy import stats
     p = np.array(DESIGN.probs()[0])
     alpha, n = 1e-3, 4000
     split = min((m for m in itertools.product((0, 1), repeat=K) if 0 < sum(m) < K),
@@ -313,6 +317,7 @@ def test_a_correct_speculative_sampler_passes_every_seed():
     context rule the successor drafts land on the support only while the last two tokens stay
     close, ~1% of position-0 trials after each request's first few tokens, so its `impossible`
     lines catch a broken verifier first."""
+    from scipy import stats
     failures, fit_p, acc_p = [], [], []
     for seed in SEEDS:
         values, fit, acc = correct_run(seed)
@@ -354,6 +359,7 @@ def test_acceptance_with_a_constant_uniform_is_caught():
     seeds caught, statistics 249 .. 316 on 3 df against a threshold of 30.7 (38 .. 95 with 64
     requests of 110 tokens: the short requests put more drafts on the support). The emitted
     distribution moves too (p < 1e-6 on 27 of the 30 seeds, 2.9e-9 on this one)."""
+    from scipy import stats
     _, fit, acc = judge(batch(Sampler(CORRECT.probs, fixed_u=0.5), 0), DESIGN)
     assert not acc["passed"] and acc["statistic"] > stats.chi2.isf(ALPHA, DRAFTS)
     assert not acc["impossible"]
@@ -599,6 +605,7 @@ def test_goodness_of_fit_on_a_perfect_sample_and_one_impossible_token(kw):
 
 def test_goodness_of_fit_statistic_is_pearsons():
     """Against scipy's chisquare on the same counts (the sample of seed 0)."""
+    from scipy import stats
     values = correct_run(0)[0]
     fit = sampling.goodness_of_fit(values, DESIGN, ALPHA, TV)
     counts, _ = sampling.histogram(values, K)
