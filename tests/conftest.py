@@ -9,6 +9,7 @@ them, if any path in the real caches changed.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -56,8 +57,10 @@ def python3_without_a_shim(tmp_path_factory):
         return
     real = subprocess.run([found, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    folder = tmp_path_factory.mktemp("python3")
-    (folder / "python3").symlink_to(real)
+    # exec, not a symlink: a venv's python finds its pyvenv.cfg from the path it is started by
+    launcher = tmp_path_factory.mktemp("python3") / "python3"
+    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(real)} "$@"\n')
+    launcher.chmod(0o755)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        patch.setenv("PATH", f"{launcher.parent}{os.pathsep}{os.environ['PATH']}")
         yield
