@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -189,11 +190,12 @@ def test_report_scrubs_secrets(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- readers
 
 def test_machine_info_reads_cpuinfo_and_meminfo(tmp_path):
-    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Test Xeon 9000\nflags\t: fpu\n\n"
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Test Xeon 9000\nflags\t: fpu avx2 fma\n\n"
                                       "processor\t: 1\nmodel name\t: Test Xeon 9000\n")
     (tmp_path / "meminfo").write_text("MemTotal:       24576000 kB\nMemFree:         1000 kB\n")
     info = bench.machine_info(tmp_path / "cpuinfo", tmp_path / "meminfo")
     assert info["cpu_model"] == "Test Xeon 9000"
+    assert info["isa"] == ["avx2"] and info["bf16_native"] is (platform.machine() != "x86_64")
     assert info["memory_gib"] == round(24576000 / 2**20, 1)
     assert info["cores"] == os.cpu_count() and 1 <= info["usable_cores"] <= info["cores"]
     empty = bench.machine_info(tmp_path / "missing", tmp_path / "missing")

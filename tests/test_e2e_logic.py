@@ -46,7 +46,36 @@ def test_real_manifest_settings_parse():
     assert len(settings.known_answer_prompts) > 1 and settings.max_num_seqs >= len(settings.prompts)
 
 
+AVX2_HOST = {"machine": "x86_64", "isa": ["avx2"]}
+BF16_HOST = {"machine": "x86_64", "isa": ["avx2", "avx512f", "avx512_bf16"]}
+
+
+@pytest.mark.parametrize("host,want", [
+    (BF16_HOST, "bfloat16"),
+    ({"machine": "x86_64", "isa": ["avx2", "avx512f", "avx512bw"]}, "float32"),   # vLLM's _C_AVX512
+    (AVX2_HOST, "float32"),
+    ({"machine": "aarch64", "isa": []}, "bfloat16"),     # vLLM's own dtype rules hold there
+])
+def test_engines_run_in_bf16_only_where_the_cpu_computes_it(host, want):
+    """On an AVX2 host vLLM's bf16 linear layers fall back to torch's widening GEMM (a warm cpu_e2e
+    took 2.5x as long): the manifest's fallback dtype runs there, and the settings say why."""
+    settings = planning.Settings.parse(m.load(), host)
+    assert settings.dtype == want
+    assert (settings.dtype_fallback_reason is None) == (want == "bfloat16")
+    if settings.dtype_fallback_reason:
+        assert "AVX512-BF16" in settings.dtype_fallback_reason
+
+
+def test_the_fallback_dtype_can_keep_bf16_everywhere(tmp_path):
+    path = _manifest_with(tmp_path, 'dtype_without_native_bf16 = "float32"', 'dtype_without_native_bf16 = "bfloat16"')
+    settings = planning.Settings.parse(m.load(path), AVX2_HOST)
+    assert (settings.dtype, settings.dtype_fallback_reason) == ("bfloat16", None)
+
+
 @pytest.mark.parametrize("old,new,message", [
+    ('dtype = "bfloat16"', 'dtype = "float16"', "key 'e2e.dtype': expected one of bfloat16, float32, got 'float16'"),
+    ('dtype_without_native_bf16 = "float32"', 'dtype_without_native_bf16 = "auto"',
+     "key 'e2e.dtype_without_native_bf16': expected one of bfloat16, float32, got 'auto'"),
     ("known_answer_max_tokens = 72", "known_answer_max_tokens = 0",
      "key 'e2e.known_answer_max_tokens': expected a positive integer, got 0"),
     ('compile_backend = "inductor"', "compile_backend = 1", "key 'e2e.compile_backend': expected a string, got 1"),

@@ -374,6 +374,30 @@ def test_context_targets_follow_their_rule_exactly_in_bf16(built, kind):
         assert out.tolist() == seq[len(prompt):len(prompt) + 16]
 
 
+@pytest.mark.parametrize("name", ["context-qwen3-spread", "mimo-mtp-spread"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.vllm
+def test_spread_targets_give_the_logits_their_facts_name_in_each_dtype(built, name, dtype):
+    """The sampling checks' design, per engine dtype: bf16 rounds the logits onto the spread;
+    float32 keeps the bf16-stored head's products (at H = 512 their gaps to the answer's logit are
+    up to 0.06 off the spread's). Compared as those gaps, which are what the distribution depends
+    on: HF's float32 forward lands within 0.008 of the facts, vLLM's within 1e-4."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    want = torch.tensor(json.loads((built[name] / "fixture.json").read_text())["answer_logits"][dtype])
+    model = AutoModelForCausalLM.from_pretrained(str(built[name]), dtype=getattr(torch, dtype),
+                                                 attn_implementation="eager")
+    prompt = [5, 6, 7]
+    seq = prompt + knownanswer.continuation(knownanswer.CONTEXT_RULE, prompt, 61, VOCAB)
+    logits = _answers(model, seq)
+    offsets = torch.arange(len(want))
+    for t in range(len(seq)):
+        got = logits[t, (seq[max(t - 1, 0)] + 2 + offsets) % VOCAB]
+        gaps, want_gaps = got - got[0], want - want[0]
+        assert (gaps - want_gaps).abs().max() < 0.01, f"position {t}: gaps {gaps.tolist()}, facts {want_gaps.tolist()}"
+
+
 def _block_masks(length: int, block: int) -> dict[str, torch.Tensor]:
     """Attention faults of a verification step, applied to every block of `block` queries."""
     import torch

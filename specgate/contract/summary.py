@@ -91,6 +91,15 @@ def host() -> dict[str, Any]:
             "machine": platform.machine(), "system": f"{platform.system()} {platform.release()}"}
 
 
+def bf16_native(record: Mapping[str, Any] | None = None) -> bool:
+    """Whether vLLM runs bf16 linear layers on native kernels here (`record`: a host() record).
+    An x86 CPU needs AVX512-BF16: vLLM then loads its `_C` kernels. On AVX2 (vLLM's `_C_AVX2`)
+    oneDNN cannot build a bf16 matmul, vLLM falls back to torch's linear, and torch widens every
+    bf16 element on the way (torch's bf16_dot_with_fp32_arith: half of a cpu_e2e's samples)."""
+    record = host() if record is None else record
+    return record["machine"] not in ("x86_64", "AMD64") or "avx512_bf16" in record["isa"]
+
+
 def version_of(distribution: str, *fallbacks: str) -> str | None:
     for name in (distribution, *fallbacks):
         try:

@@ -143,7 +143,15 @@ class Result:
     prompts: list[Any]
     max_tokens: int
     data: dict[str, Any]
+    dtype: str                                   # what the engine computed in (planning.Settings.dtype)
     requests: list[runs.Request] | None = None   # a sampling engine's requests (runs.sampling_requests)
+
+    @property
+    def answer_logits(self) -> list[float]:
+        """The sampling target's logits on answer + j, as this engine's dtype computes them."""
+        by_dtype = self.run.target.answer_logits
+        assert by_dtype, f"{self.run.target.name}: fixture.json names no answer_logits; not a sampling target"
+        return by_dtype[self.dtype]
 
     @property
     def token_ids(self) -> list[list[int]]:
@@ -270,8 +278,7 @@ class Engines:
             for run in phases:
                 self.results[run.key] = self._phase_result(run, data, inputs[run.key])
 
-    @staticmethod
-    def _phase_result(run: runs.Run, data: dict[str, Any],
+    def _phase_result(self, run: runs.Run, data: dict[str, Any],
                       inputs: tuple[list[Any], int, list[runs.Request] | None]) -> Result | BaseException:
         """A phase's Result, or the error that kept it from one: its engine's, its own, or the
         earlier phase's that ended the engine before it ran."""
@@ -284,7 +291,7 @@ class Engines:
         if phase["error"]:
             return engine.relay(phase["error"])
         engine_level = {k: data.get(k) for k in ("runner", "compilation", "compile_counters")}
-        return Result(run, *inputs[:2], {**phase, **engine_level}, inputs[2])
+        return Result(run, *inputs[:2], {**phase, **engine_level}, self.settings.dtype, inputs[2])
 
 
 def _needed_runs(items: list[pytest.Item], plan: Plan) -> tuple[list[runs.Run], set[str], set[str]]:

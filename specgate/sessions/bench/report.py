@@ -20,8 +20,10 @@ def _value(entry: dict) -> str:
 
 def _machine(report: dict[str, Any]) -> str:
     m = report["machine"]
-    return (f"{m['cpu_model']}, {m['usable_cores']}/{m['cores']} cores, {m['memory_gib']} GiB, {m['arch']}, "
-            f"Linux {m['kernel']}")
+    isa = " ".join(m.get("isa") or ["no ISA recorded"])
+    bf16 = {True: "bf16 native", False: "no native bf16: engines in float32"}.get(m.get("bf16_native"), "")
+    return (f"{m['cpu_model']} ({isa}; {bf16}), {m['usable_cores']}/{m['cores']} cores, {m['memory_gib']} GiB, "
+            f"{m['arch']}, Linux {m['kernel']}")
 
 
 def _versions(report: dict[str, Any]) -> str:

@@ -194,8 +194,12 @@ def machine_info(cpuinfo_path: Path = compilecache.CPUINFO, meminfo_path: Path =
                 memory_kib = int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
+    flags = set((cpu.get("flags") or "").split())
+    isa = [flag for flag in summary.VLLM_ISA if flag in flags]
     return {
         "cpu_model": cpu.get("model name") or cpu.get("Model") or None,
+        # Figures from another ISA do not compare: without native bf16 the engines run in float32.
+        "isa": isa, "bf16_native": summary.bf16_native({"machine": platform.machine(), "isa": isa}),
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)),
         "memory_gib": round(memory_kib / 2**20, 1) if memory_kib else None,

@@ -12,6 +12,7 @@ from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from specgate.contract import summary
 from specgate.core.manifest import E2EConfig, Manifest, ManifestError, _Reader
 
 PLAN_VAR = "SPECGATE_E2E_PLAN"
@@ -92,10 +93,14 @@ def declared_for(defect: dict[str, Any] | None, version: str | None) -> bool:
     return bool(defect and version and SpecifierSet(defect["versions"]).contains(version, prereleases=True))
 
 
+DTYPES = ("bfloat16", "float32")   # what the fixtures' designs (and their sampling logits) hold in
+
+
 @dataclass(frozen=True)
 class Settings:
     """[e2e] plain keys: engine bounds and the prompts every engine of a kind generates."""
-    dtype: str
+    dtype: str                     # what every engine computes in: [e2e] dtype, or the fallback below
+    dtype_fallback_reason: str | None   # why [e2e] dtype_without_native_bf16 replaced it (None: it did not)
     compile_backend: str           # the backend every engine must compile with (no enforce_eager)
     max_model_len: int
     max_num_seqs: int
@@ -109,7 +114,8 @@ class Settings:
     sampling: Sampling | None = None
 
     @classmethod
-    def parse(cls, manifest: Manifest) -> Settings:
+    def parse(cls, manifest: Manifest, host: dict[str, Any] | None = None) -> Settings:
+        """`host`: a summary.host() record (default: this machine's), which decides the dtype."""
         r = _Reader(manifest.path, dict(manifest.e2e_settings), "e2e.")
 
         def positive(key: str) -> int:
@@ -125,8 +131,14 @@ class Settings:
         prompts = r.str_list("prompts")
         if not prompts:
             raise r.fail("prompts", "a non-empty list of strings", [])
+        dtype, reason = r.str("dtype", choices=DTYPES), None
+        fallback = r.str("dtype_without_native_bf16", choices=DTYPES)
+        if dtype == "bfloat16" and fallback != dtype and not summary.bf16_native(host):
+            dtype, reason = fallback, (f"this CPU has no AVX512-BF16, so vLLM's bf16 linear layers fall back to "
+                                       f"torch's widening GEMM ([e2e] dtype_without_native_bf16 = {fallback!r})")
         return cls(
-            dtype=r.str("dtype"),
+            dtype=dtype,
+            dtype_fallback_reason=reason,
             compile_backend=r.str("compile_backend"),
             max_model_len=positive("max_model_len"),
             max_num_seqs=positive("max_num_seqs"),
@@ -160,8 +172,8 @@ class Model:
     answer_rule: str | None  # a known-answer target's specgate.vllmside.knownanswer rule
     vocab_size: int | None
     architecture: str | None
-    # a sampling target's logits on answer + j (specgate.sessions.e2e.sampling)
-    answer_logits: list[float] | None = None
+    # a sampling target's logits on answer + j by engine dtype (specgate.sessions.e2e.sampling)
+    answer_logits: dict[str, list[float]] | None = None
 
     @property
     def ident(self) -> str:

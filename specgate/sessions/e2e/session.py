@@ -113,6 +113,9 @@ def step(ctx: lifecycle.Context) -> int:
     except ManifestError as exc:
         raise cli.BadInput(str(exc)) from None
     record["configs"] = [c.id for c in configs]
+    record["dtype"] = {"value": settings.dtype, "fallback_reason": settings.dtype_fallback_reason}
+    if settings.dtype_fallback_reason:
+        print(f"engines run in {settings.dtype}: {settings.dtype_fallback_reason}", flush=True)
     missing = missing_models(configs)
     if missing:
         for m in missing:
