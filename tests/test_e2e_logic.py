@@ -58,7 +58,7 @@ BF16_HOST = {"machine": "x86_64", "isa": ["avx2", "avx512f", "avx512_bf16"]}
 ])
 def test_engines_run_in_bf16_only_where_the_cpu_computes_it(host, want):
     """On an AVX2 host vLLM's bf16 linear layers fall back to torch's widening GEMM (a warm cpu_e2e
-    took 2.5x as long): the manifest's fallback dtype runs there, and the settings say why."""
+    took three times as long): the manifest's fallback dtype runs there, and the settings say why."""
     settings = planning.Settings.parse(m.load(), host)
     assert settings.dtype == want
     assert (settings.dtype_fallback_reason is None) == (want == "bfloat16")
