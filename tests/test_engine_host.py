@@ -185,3 +185,31 @@ def test_counters_since_gives_each_phase_what_it_added():
     after = {"drafts": 5, "drafted_tokens": 15, "accepted_tokens": 7, "per_position": [3, 2, 1]}
     assert engine.counters_since(before, after) == {"drafts": 2, "drafted_tokens": 6, "accepted_tokens": 3,
                                                     "per_position": [1, 1, 1]}
+
+
+def test_loaded_kernels_names_the_kernel_libraries_under_vllm(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 fd:01 11 /venv/lib/python3.12/site-packages/vllm/_C_AVX2.abi3.so\n"
+        "7f01-7f02 r--p 00001000 fd:01 11 /venv/lib/python3.12/site-packages/vllm/_C_AVX2.abi3.so\n"
+        "7f02-7f03 r-xp 00000000 fd:01 12 /venv/lib/python3.12/site-packages/vllm/_moe_C.abi3.so\n"
+        "7f03-7f04 r-xp 00000000 fd:01 13 /venv/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so\n"
+        "7f04-7f05 rw-p 00000000 00:00 0 [heap]\n")
+    assert engine.loaded_kernels(maps) == ["_C_AVX2"]
+    assert engine.loaded_kernels(tmp_path / "absent") == []
+
+
+@pytest.mark.vllm
+def test_an_engine_process_maps_the_kernel_library_its_cpu_takes():
+    """vllm/platforms/cpu.py loads _C where the CPU has AVX512-BF16, _C_AVX512 with AVX-512 only, and
+    _C_AVX2 otherwise (on vllm._custom_ops' import, as an engine does); the summary's `kernels` reads it from the
+    process's own maps."""
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split())
+    want = "_C" if "avx512_bf16" in flags else "_C_AVX512" if "avx512f" in flags else "_C_AVX2"
+    code = ("import json\nimport vllm._custom_ops\nfrom specgate.vllmside import engine\n"
+            "print(json.dumps(engine.loaded_kernels()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [want]

@@ -134,6 +134,17 @@ def runner(llm: Any) -> str:
     return "v2" if engine_attr(llm, "vllm_config.use_v2_model_runner") else "v1"
 
 
+def loaded_kernels(maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """vLLM's kernel libraries this process mapped (`_C`, `_C_AVX512`, `_C_AVX2`): vllm/platforms/cpu.py
+    loads one by the CPU, each its own build of the spec-decode kernels. [] where the maps are unreadable."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    names = {Path(line.split()[-1]).name.split(".")[0] for line in lines if "/vllm/" in line}
+    return sorted(name for name in names if name == "_C" or name.startswith("_C_"))
+
+
 def triton_cpu_gap() -> str:
     """What is missing for Triton on CPU, in words naming the package and its backends."""
     if importlib.util.find_spec("triton") is None:
@@ -332,6 +343,7 @@ def generate(llm_kwargs: dict[str, Any], phases: list[dict[str, Any]], *, probes
                 compilecache.keep_numba_kernels(ngram)
             result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
             result["runner"], result["compilation"] = runner(llm), compilation(llm)
+            result["kernels"] = loaded_kernels()
             for phase in phases:
                 data = _run_phase(llm, phase, probes or {})
                 if mutant_fired is not None:   # how often the injected fault changed something in this phase

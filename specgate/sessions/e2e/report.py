@@ -95,8 +95,8 @@ def engine_record(phases: Sequence[Run], data: dict[str, Any]) -> dict[str, Any]
     ran (requests, the repair applied, generate time, what speculation counted, its error)."""
     ran = data.get("phases") or {}
     return {"key": phases[0].engine_key, **run_identity(phases[0]), "error": _first_line(data["error"]),
-            **{k: data.get(k) for k in ("runner", "compilation", "compile_counters", "process", "import_s", "init_s",
-                                        "shutdown_s")},
+            **{k: data.get(k) for k in ("runner", "compilation", "kernels", "compile_counters", "process", "import_s",
+                                        "init_s", "shutdown_s")},
             "generate_s": round(sum(p.get("generate_s") or 0 for p in ran.values()), 2),
             "phases": [{"key": run.key, "requests": run.requests or "greedy", "ran": run.key in ran,
                         **{k: ran.get(run.key, {}).get(k) for k in ("repair", "generate_s", "counters")},
@@ -125,6 +125,11 @@ def compile_backend(engines: Sequence[dict[str, Any]]) -> str | None:
     if not backends:
         return None
     return backends[0] if len(backends) == 1 else "mixed: " + ", ".join(backends)
+
+
+def kernel_libraries(engines: Sequence[dict[str, Any]]) -> list[str]:
+    """vLLM's kernel libraries the engines ran, in one sorted list."""
+    return sorted({name for e in engines for name in e.get("kernels") or ()})
 
 
 def session_exit_code(pytest_code: int, rows: Sequence[dict[str, Any]]) -> int:

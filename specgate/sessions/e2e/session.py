@@ -41,6 +41,7 @@ from specgate.sessions.e2e.report import (
     compile_backend,
     engine_rows,
     format_report,
+    kernel_libraries,
     merge_results,
     session_exit_code,
 )
@@ -143,7 +144,8 @@ def step(ctx: lifecycle.Context) -> int:
             manifest, args.model_source, env, out, args.pytest_args)
         rows += upstream_results
         exit_code = exitcodes.worst(exit_code, upstream_code)
-    record.update(tests=rows, engines=engines, compile_backend=compile_backend(engines))
+    record.update(tests=rows, engines=engines, compile_backend=compile_backend(engines),
+                  kernels=kernel_libraries(engines))
     exit_code = exitcodes.worst(exit_code, e2e_history.review(ctx, asdict(settings)))   # drift and acceptance.svg
     if rows or engines:
         print(format_report(rows, engines), flush=True)
