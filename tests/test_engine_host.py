@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from specgate.contract import summary
 from specgate.vllmside import engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -204,9 +205,8 @@ def test_an_engine_process_maps_the_kernel_library_its_cpu_takes():
     """vllm/platforms/cpu.py loads _C where the CPU has AVX512-BF16, _C_AVX512 with AVX-512 only, and
     _C_AVX2 otherwise (on vllm._custom_ops' import, as an engine does); the summary's `kernels` reads it from the
     process's own maps."""
-    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split())
-    want = "_C" if "avx512_bf16" in flags else "_C_AVX512" if "avx512f" in flags else "_C_AVX2"
+    isa = summary.host()["isa"]
+    want = "_C" if "avx512_bf16" in isa else "_C_AVX512" if "avx512f" in isa else "_C_AVX2"
     code = ("import json\nimport vllm._custom_ops\nfrom specgate.vllmside import engine\n"
             "print(json.dumps(engine.loaded_kernels()))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
