@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specgate.core import build
+
 HERMETIC_VAR = "SPECGATE_TESTS_HOME"      # set by the run that made the temporary home
 SIDE_FILES = (".lease", ".used", ".lock")
 
@@ -95,3 +97,10 @@ def finish(home: Home) -> list[str]:
     after = _digest(home.real)
     shutil.rmtree(home.path, ignore_errors=True)
     return sorted(p for p in home.before.keys() | after.keys() if home.before.get(p) != after.get(p))
+
+
+def env_without(*prefixes: str) -> dict[str, str]:
+    """This environment without the variables that start with `prefixes`, but the build record
+    (SPECGATE_BUILD), which names the vLLM this interpreter imports: a session process started
+    without it digests vLLM's installed files again, half a second of CPU each."""
+    return {k: v for k, v in os.environ.items() if k == build.RECORD_VAR or not k.startswith(prefixes)}

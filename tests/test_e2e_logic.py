@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import hermetic
 import pytest
 from contract import VALIDATOR, read_valid
 
@@ -465,7 +465,7 @@ def test_engine_errors_travel_with_their_type_and_traceback():
 # --------------------------------------------------------------------------- the session's own exits
 
 def _session(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_"))}
+    env = hermetic.env_without("SPECGATE_", "HF_")
     env.update(SPECGATE_ARTIFACTS=str(tmp_path / "artifacts"), HF_HUB_CACHE=str(tmp_path / "empty-hub"),
                HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "specgate.sessions.e2e", *args], cwd=REPO, env=env,

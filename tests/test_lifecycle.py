@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import hermetic
 import psutil
 import pytest
 from contract import read_valid
@@ -66,7 +67,7 @@ def run(tmp_path):
     script.write_text(SESSION)
 
     def start(*args: str, **env: str) -> subprocess.Popen:
-        full = {k: v for k, v in os.environ.items() if not k.startswith(("BUILDKITE_", "SPECGATE_"))}
+        full = hermetic.env_without("BUILDKITE_", "SPECGATE_")
         full.update(SPECGATE_ARTIFACTS=str(tmp_path / "artifacts"), **env)
         return subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=full, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import hermetic
 import numpy as np
 import pytest
 from contract import VALIDATOR, read_valid
@@ -558,7 +559,7 @@ def test_each_mutants_checks_select_the_checks_meant_to_score_it():
 
 @pytest.mark.parametrize("value", ["0", "many"])
 def test_a_seed_set_count_below_one_is_one_line_of_bad_input(tmp_path, value):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_"))}
+    env = hermetic.env_without("SPECGATE_", "HF_")
     proc = subprocess.run([sys.executable, "-m", "specgate.sessions.mutants", "--seed-sets", value], cwd=REPO_ROOT,
                           env={**env, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")},
                           capture_output=True, text=True, timeout=300)

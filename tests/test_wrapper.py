@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import hermetic
 import psutil
 import pytest
 
@@ -67,7 +68,7 @@ class Stub:
 
 def wrapper_env(**extra: str) -> dict[str, str]:
     """This environment without harness settings (the tests may run under the wrapper), fast retries."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECGATE_", "HF_HUB_OFFLINE"))}
+    env = hermetic.env_without("SPECGATE_", "HF_HUB_OFFLINE")
     return {**env, "SPECGATE_RETRY_BACKOFF_S": "0.05", "SPECGATE_SWEEP_GRACE_S": "1", **extra}
 
 
