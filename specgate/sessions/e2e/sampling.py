@@ -19,6 +19,7 @@ is chosen so that this is >= the manifest's power). Stdlib at import: scipy load
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -96,6 +97,17 @@ def histogram(values: Sequence[int | str], k: int) -> tuple[list[int], int]:
 MAX_EXACT = 16      # cells up to which least_favourable tries every split
 
 
+def _least_favourable_split(support: Sequence[float], tv: float) -> tuple[float, int]:
+    """(noncentrality per sample, gaining cells as a bit mask) of the hardest split (least_favourable)."""
+    best = (math.inf, 0)
+    for mask in range(1, 2 ** len(support) - 1):
+        gain = sum(p for i, p in enumerate(support) if mask >> i & 1)
+        lose = 1.0 - gain
+        if tv <= lose:
+            best = min(best, (tv * tv * (1 / gain + 1 / lose), mask))
+    return best
+
+
 def least_favourable(probs: Sequence[float], tv: float) -> float:
     """min over distributions q at total variation `tv` from p of sum (q - p)^2 / p: the
     chi-square noncentrality per sample of the hardest shift of that size to see. For a
@@ -106,17 +118,24 @@ def least_favourable(probs: Sequence[float], tv: float) -> float:
     support = [p for p in probs if p > 0]
     if len(support) > MAX_EXACT:
         return 4 * tv * tv
-    best = math.inf
-    for mask in range(1, 2 ** len(support) - 1):
-        gain = sum(p for i, p in enumerate(support) if mask >> i & 1)
-        lose = 1.0 - gain
-        if tv <= lose:
-            best = min(best, tv * tv * (1 / gain + 1 / lose))
-    return best
+    return _least_favourable_split(support, tv)[0]
+
+
+def least_favourable_shifts(support: Sequence[float], tv: float) -> list[list[float]]:
+    """The two distributions at total variation `tv` from `support` (all > 0) with that
+    noncentrality: mass moved across the least favourable split, one way and the other (the limit
+    cannot tell them apart; the exact test can)."""
+    _, mask = _least_favourable_split(support, tv)
+    shifts = []
+    for gaining in (mask, ~mask):
+        gain = sum(p for i, p in enumerate(support) if gaining >> i & 1)
+        shifts.append([p + (tv / gain if gaining >> i & 1 else -tv / (1 - gain)) * p for i, p in enumerate(support)])
+    return shifts
 
 
 def power(probs: Sequence[float], n: float, alpha: float, tv: float) -> float:
-    """Probability that the goodness-of-fit test at level alpha rejects a shift of size tv, n samples."""
+    """Probability that Pearson's test at level alpha rejects a shift of size tv with n samples, in
+    the chi-square limit (noncentral chi-square); exact_power is the exact test's."""
     from scipy import stats
 
     df = sum(p > 0 for p in probs) - 1
@@ -125,8 +144,34 @@ def power(probs: Sequence[float], n: float, alpha: float, tv: float) -> float:
     return float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, n * least_favourable(probs, tv)))
 
 
+@functools.cache
+def _exact_power(support: tuple[float, ...], n: int, alpha: float, tv: float) -> float:
+    from scipy import stats
+
+    # A statistic whose exact tail is below alpha: the exact test rejects it and every larger one.
+    # Found upwards from the limit's critical value in steps of 0.2 %, so the power found is at
+    # most that much of the critical value short of the true one, never above it.
+    critical = float(stats.chi2.isf(alpha, len(support) - 1))
+    while pearson_tail(n, critical, support) >= alpha:
+        critical *= 1.002
+    return min(pearson_tail(n, critical, support, shift) for shift in least_favourable_shifts(support, tv))
+
+
+def exact_power(probs: Sequence[float], n: int, alpha: float, tv: float) -> float:
+    """Probability that goodness_of_fit (its exact p-value) rejects at level alpha with n samples
+    drawn from the shift of size tv the limit finds least favourable, in the direction the exact
+    test sees worse (least_favourable_shifts): the power the checks state and require. Below the
+    limit's at these sizes (0.99896 against 0.99911 at the former 7040 draws), so the manifest's
+    draws are sized by this."""
+    support = tuple(p for p in probs if p > 0)
+    if len(support) < 2 or n <= 0:
+        return 0.0
+    return _exact_power(support, n, alpha, tv)
+
+
 def sample_size(probs: Sequence[float], alpha: float, target_power: float, tv: float) -> int:
-    """The fewest samples whose power reaches target_power (a doubling, then a bisection)."""
+    """The fewest samples whose power in the chi-square limit reaches target_power (a doubling,
+    then a bisection). The exact test needs slightly more (exact_power)."""
     high = 16
     while power(probs, high, alpha, tv) < target_power:
         high *= 2
@@ -137,11 +182,133 @@ def sample_size(probs: Sequence[float], alpha: float, target_power: float, tv: f
     return high
 
 
+def pearson(counts: Sequence[int], probs: Sequence[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True)) if n else 0.0
+
+
+# pearson_tail enumerates counts within GRID_SIGMAS standard deviations plus GRID_SLACK of their
+# mean. By Bernstein's inequality the mass beyond is at most 2 exp(-45) < BEYOND whatever n and p
+# (the bound is weakest as the deviation goes to 0, where the slack alone is left).
+GRID_SIGMAS, GRID_SLACK = 10, 30
+BEYOND = 1e-19
+MAX_GRID = 5_000_000       # outer-cell combinations it enumerates at most
+NEGLIGIBLE = 1e-22         # outer combinations less likely than this count as in the tail
+
+
+def exact_tail(counts: Sequence[int], probs: Sequence[float]) -> float:
+    """P(Pearson's statistic >= the observed one) under multinomial(sum(counts), probs), exactly:
+    the chi-square distribution is only its limit, and at alpha = 1e-6 the limit is off (with
+    7040 draws at T = 0.6 its test rejects a correct sampler with probability 1.11e-6, with 5440
+    truncated ones 1.06e-6). All probs > 0."""
+    return pearson_tail(sum(counts), pearson(counts, probs), probs)
+
+
+def pearson_tail(n: int, threshold: float, probs: Sequence[float], drawn_from: Sequence[float] | None = None) -> float:
+    """P(Pearson's statistic against `probs` >= threshold) for n draws from `drawn_from` (default
+    `probs`: the test's size; another distribution: its power there). Every cell but the two
+    likeliest is enumerated (_outer_counts); given those, the likeliest two split the rest
+    binomially, and the statistic is a quadratic in one of them, so their share is two binomial
+    tails."""
+    import numpy as np
+
+    if len(probs) < 2 or n == 0:
+        return 1.0
+    outer = _outer_counts(n, tuple(probs), tuple(drawn_from if drawn_from is not None else probs))
+    rest, e_i, e_j = outer.rest, outer.expected_i, outer.expected_j
+    # Given the outer cells, x = count of cell i and rest - x of cell j: the statistic is
+    # partial + a x^2 + b x + c0, at least the threshold outside the roots of that quadratic.
+    need = threshold * (1 - 1e-12) - 1e-12 - outer.partial          # ties count as extreme
+    a = 1 / e_i + 1 / e_j
+    b = -2.0 - 2 * (rest - e_j) / e_j
+    c0 = e_i + (rest - e_j) ** 2 / e_j - need
+    disc = b * b - 4 * a * c0
+    root = np.sqrt(np.maximum(disc, 0.0))
+    low, high = np.floor((-b - root) / (2 * a)), np.ceil((-b + root) / (2 * a))
+    # P(x <= low) + P(x >= high), x ~ binomial(rest, q), read off cumulative tables; the mass
+    # beyond each window (the tables' and the outer cells') is bounded by BEYOND and counted as in
+    # the tail, so float rounding of a sum near 1 does not floor the result.
+    first = int(rest.min())
+    starts, at_most, at_least = _binomial_tables(first, int(rest.max()), outer.split)
+    row = rest - first
+    start, last = starts[row], at_most.shape[1] - 1
+    lower = np.where(low < start, 0.0, at_most[row, np.clip(low - start, 0, last).astype(np.int64)])
+    upper = np.where(high > start + last, 0.0, at_least[row, np.clip(high - start, 0, last).astype(np.int64)])
+    tail = np.where(disc > 0, np.minimum(lower + upper + BEYOND, 1.0), 1.0)
+    return float(min(1.0, (outer.weight * tail).sum() + outer.unlikely + outer.cells * BEYOND))
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """The outer cells' joint counts pearson_tail sums over, for one (n, probs, drawn_from)."""
+    rest: Any              # draws left to the likeliest two cells, per combination
+    partial: Any           # the outer cells' share of the statistic
+    weight: Any            # the combination's probability
+    unlikely: float        # the probability of the combinations left out as negligible
+    cells: int             # outer cells enumerated (each within its window, BEYOND outside)
+    expected_i: float      # n * probs of the likeliest two
+    expected_j: float
+    split: float           # P(cell i | cell i or j) under drawn_from
+
+
+@functools.lru_cache(maxsize=8)     # a power takes several tails of one design
+def _outer_counts(n: int, probs: tuple[float, ...], drawn_from: tuple[float, ...]) -> _Outer:
+    """Every combination of the outer cells' counts (all but the two likeliest), each within
+    GRID_SIGMAS and GRID_SLACK of its mean, with its probability; combinations below NEGLIGIBLE
+    are left out, their mass kept to count as in the tail."""
+    import numpy as np
+    from scipy import special
+
+    e = n * np.asarray(probs, dtype=float)
+    p = np.asarray(drawn_from, dtype=float)
+    *outer, i, j = np.argsort(p)                   # the likeliest two last
+    reach = [GRID_SIGMAS * math.sqrt(n * p[c] * (1 - p[c])) + GRID_SLACK for c in outer]
+    spans = [np.arange(max(0, math.floor(n * p[c] - r)), min(n, math.ceil(n * p[c] + r)) + 1)
+             for c, r in zip(outer, reach, strict=True)]
+    if math.prod(len(s) for s in spans) > MAX_GRID:
+        raise ValueError(f"{len(probs)} cells at n = {n}: too many for the exact test")
+    grid = [g.ravel() for g in np.meshgrid(*spans, indexing="ij")] if outer else []
+    rest: Any = n - sum(grid, np.zeros(1, dtype=np.int64))
+    inside = rest >= 0
+    grid, rest = [g[inside] for g in grid], rest[inside]
+    share = 1.0 - sum(p[c] for c in outer)         # the likeliest two's, together
+    log_weight = special.gammaln(n + 1) - special.gammaln(rest + 1) + rest * math.log(share)
+    partial = np.zeros(len(rest))
+    for g, c in zip(grid, outer, strict=True):
+        log_weight += g * math.log(p[c]) - special.gammaln(g + 1)
+        partial += (g - e[c]) ** 2 / e[c]
+    weight = np.exp(log_weight)
+    likely = weight > NEGLIGIBLE
+    return _Outer(rest[likely], partial[likely], weight[likely], float(weight[~likely].sum()), len(outer),
+                  float(e[i]), float(e[j]), float(p[i] / (p[i] + p[j])))
+
+
+@functools.lru_cache(maxsize=8)     # a power takes several tails of one design, ~12 MB each at 7080 draws
+def _binomial_tables(first: int, last: int, q: float) -> tuple[Any, Any, Any]:
+    """For each r in first .. last, binomial(r, q) over a window of GRID_SIGMAS standard deviations
+    plus GRID_SLACK either side of its mean: (the window's first x, P(X <= x), P(X >= x) within
+    it). Summed from the window's own pmf in both directions, so neither tail loses digits to a
+    difference."""
+    import numpy as np
+    from scipy import special
+
+    rests = np.arange(first, last + 1)
+    reach = GRID_SIGMAS * np.sqrt(rests * q * (1 - q)) + GRID_SLACK
+    width = int(math.ceil(2 * float(reach.max()))) + 2
+    starts = np.maximum(0, np.floor(rests * q - reach)).astype(np.int64)
+    x, r = starts[:, None] + np.arange(width)[None, :], rests[:, None]
+    xs = np.minimum(x, r)
+    log_pmf = (special.gammaln(r + 1) - special.gammaln(xs + 1) - special.gammaln(r - xs + 1)
+               + xs * math.log(q) + (r - xs) * math.log1p(-q))
+    pmf = np.where(x <= r, np.exp(log_pmf), 0.0)
+    return starts, np.cumsum(pmf, axis=1), np.cumsum(pmf[:, ::-1], axis=1)[:, ::-1]
+
+
 def goodness_of_fit(values: Sequence[int | str], design: Design, alpha: float, tv: float) -> dict[str, Any]:
-    """Pearson's chi-square of the offsets against the design's distribution. A token outside
-    the support (probability `other`, below 1e-9 for the fixtures) is judged by its exact binomial
-    tail, and the smaller of the two p-values is the test's: either rejects (a union bound keeps the
-    false-alarm rate <= alpha + n other)."""
+    """Pearson's chi-square of the offsets against the design's distribution, its p-value exact
+    (exact_tail). A token outside the support (probability `other`, below 1e-9 for the fixtures)
+    is judged by its exact binomial tail, and the smaller of the two p-values is the test's: either
+    rejects (a union bound keeps the false-alarm rate <= alpha + n other)."""
     from scipy import stats
 
     probs, other = design.probs()
@@ -150,14 +317,14 @@ def goodness_of_fit(values: Sequence[int | str], design: Design, alpha: float, t
     n = len(values)
     cells = [(c, p) for c, p in zip(counts, probs, strict=True) if p > 0]
     outside = sum(c for c, p in zip(counts, probs, strict=True) if p == 0) + off   # truncated away, or beyond
-    statistic = sum((c - n * p) ** 2 / (n * p) for c, p in cells) if n else 0.0
-    df = len(cells) - 1
-    p_value = float(stats.chi2.sf(statistic, df)) if df >= 1 else 1.0
+    within, kept = [c for c, _ in cells], [p for _, p in cells]
+    p_value = exact_tail(within, kept)
     if outside:
         p_value = min(p_value, float(stats.binom.sf(outside - 1, n, other)))
     return {"n": n, "counts": counts, "outside_support": outside, "expected": [round(n * p, 1) for p in probs],
-            "statistic": round(statistic, 3), "df": df, "p_value": p_value, "alpha": alpha,
-            "power": round(power(probs, n, alpha, tv), 6), "tv_shift": tv, "passed": p_value >= alpha}
+            "statistic": round(pearson(within, kept), 3), "df": len(cells) - 1, "p_value": p_value,
+            "alpha": alpha, "power": round(exact_power(kept, n, alpha, tv), 6), "tv_shift": tv,
+            "passed": p_value >= alpha}
 
 
 def two_sample(a: Sequence[int | str], b: Sequence[int | str], k: int, alpha: float, tv: float) -> dict[str, Any]:
