@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,10 +50,29 @@ def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] |
     """Run `python -m pytest` with JUnit output. Its output reaches the terminal (and the log
     file, if given) with secrets masked, and so does the JUnit XML; it dies with this process."""
     # specgate.sessions.envcheck verifies, inside the test process, that the environment matches the manifest.
+    env = dict(os.environ if env is None else env)
     command = [sys.executable, "-m", "pytest", "-p", "specgate.sessions.envcheck",
-               *collector_args(os.environ if env is None else env), f"--junitxml={junit}",
-               "-o", "junit_family=xunit1", *args]
+               *collector_args(env), f"--junitxml={junit}", "-o", "junit_family=xunit1", *args]
     print(redact("+ " + " ".join(command)), flush=True)
+    with tempfile.TemporaryDirectory(prefix="specgate-tmp-", ignore_cleanup_errors=True) as private:
+        return _run(command, cwd, private_tmpdir_env(env, Path(private)), junit, log)
+
+
+def private_tmpdir_env(env: dict[str, str], private: Path) -> dict[str, str]:
+    """`env` with TMPDIR at `private`, a folder removed after the run: what the child leaves
+    in its temp dir (pytest's tmp_path, vLLM's IPC sockets and gloo files) goes with it.
+    Inductor keeps its precompiled headers (about 155 MB per compiler command line) in
+    <temp dir>/torchinductor_<user> whatever TORCHINDUCTOR_CACHE_DIR says (torch's codecache
+    keeps them "global"); that name links to the compile cache, so they are kept and pruned
+    with it instead of built again each run (about 40 s of a cold cpu_e2e) or left in /tmp."""
+    inductor = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())     # as torch's default_cache_dir names it
+        (private / f"torchinductor_{user}").symlink_to(inductor, target_is_directory=True)
+    return {**env, "TMPDIR": str(private)}
+
+
+def _run(command: list[str], cwd: Path, env: dict[str, str], junit: Path, log: Path | None) -> int:
     with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace", preexec_fn=processes.die_with_parent) as proc:
         assert proc.stdout is not None
