@@ -6,7 +6,9 @@ TORCHINDUCTOR_CACHE_DIR says, land in the compile cache instead."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -37,12 +39,13 @@ def test_headers():
 
 
 @pytest.fixture
-def temp_root(tmp_path, monkeypatch):
-    """The harness's own temp dir, empty: tempfile caches it, so set it there too."""
-    root = tmp_path / "tmp"
-    root.mkdir()
+def temp_root(monkeypatch):
+    """The harness's own temp dir, empty, with a path as short as /tmp's children (tmp_path's is
+    too long for a Unix socket two folders down); tempfile caches it, so set it there too."""
+    root = Path(tempfile.mkdtemp(prefix="root-"))
     monkeypatch.setattr(tempfile, "tempdir", str(root))
-    return root
+    yield root
+    shutil.rmtree(root)
 
 
 def run(folder, source: str, env: dict[str, str]) -> int:

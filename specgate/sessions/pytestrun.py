@@ -54,7 +54,8 @@ def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] |
     command = [sys.executable, "-m", "pytest", "-p", "specgate.sessions.envcheck",
                *collector_args(env), f"--junitxml={junit}", "-o", "junit_family=xunit1", *args]
     print(redact("+ " + " ".join(command)), flush=True)
-    with tempfile.TemporaryDirectory(prefix="specgate-tmp-", ignore_cleanup_errors=True) as private:
+    # A short name: vLLM's IPC sockets go in it, and a Unix socket's path has at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="specgate-", ignore_cleanup_errors=True) as private:
         return _run(command, cwd, private_tmpdir_env(env, Path(private)), junit, log)
 
 
