@@ -11,7 +11,10 @@ PYTEST_ADDOPTS. A local fake hub (tests/hubserver.py) stands in where a hub is n
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -138,10 +141,24 @@ def unit_tests(job) -> dict[str, dict]:
 
 # --------------------------------------------------------------------------- builds
 
-def test_a_clean_build(agent):
+# What uv (the installer, shared on purpose) leaves in the temp dir: empty lock files of its builds.
+UV_LOCK = re.compile(r"uv-[\w-]+\.lock")
+
+
+@pytest.fixture
+def job_tmpdir():
+    """The agent's TMPDIR, empty, with a short path: vLLM binds its sockets two folders down."""
+    path = Path(tempfile.mkdtemp(prefix="job-"))
+    yield path
+    shutil.rmtree(path)
+
+
+def test_a_clean_build(agent, job_tmpdir):
     """warm_cache, both cpu_unit shards and both cpu_e2e shards (one real engine each) pass;
-    every job leaves its own valid summary and annotation, and no secret."""
-    build = agent.run_build(step_env={"cpu_e2e": {"PYTEST_ADDOPTS": "-k 'known_answer_baseline and not mimo'"}})
+    every job leaves its own valid summary and annotation, no secret, and nothing in the temp
+    dir (inductor's precompiled headers, vLLM's sockets and gloo files, pytest's tmp_path)."""
+    build = agent.run_build(env={"TMPDIR": str(job_tmpdir)},
+                            step_env={"cpu_e2e": {"PYTEST_ADDOPTS": "-k 'known_answer_baseline and not mimo'"}})
     assert [(j.step, j.outcome) for j in build.jobs] == [
         ("warm_cache", "passed"), ("cpu_unit", "passed"), ("cpu_unit", "passed"),
         ("cpu_e2e", "passed"), ("cpu_e2e", "passed")], [j.output[-3000:] for j in build.jobs if j.exit_status]
@@ -159,6 +176,7 @@ def test_a_clean_build(agent):
     for job in units:
         [note] = job.annotations
         assert note["argv"][note["argv"].index("--style") + 1] == "success"
+    assert [p.name for p in job_tmpdir.iterdir() if not UV_LOCK.fullmatch(p.name)] == []
 
 
 def test_a_cache_miss_is_fixed_by_the_online_rerun(agent, hub, tmp_path):
