@@ -166,28 +166,41 @@ def test_least_favourable_is_the_minimum_chi_square_distance_at_that_tv(p):
     assert qp_min == pytest.approx(best, rel=0.01)
 
 
-def test_sample_size_for_the_manifest_power_and_power_monotone_in_n():
+def test_limit_sample_size_for_the_manifest_power_and_power_monotone_in_n():
     """In the chi-square limit ~7000 draws give power 0.999 against a TV 0.05 shift at alpha
     1e-6; the returned n is the fewest (n - 1 falls short) and power rises with n."""
     p = DESIGN.probs()[0]
-    n = sampling.sample_size(p, ALPHA, POWER, TV)
+    n = sampling.limit_sample_size(p, ALPHA, POWER, TV)
     assert 6500 <= n <= 7500
     assert sampling.power(p, n, ALPHA, TV) >= POWER > sampling.power(p, n - 1, ALPHA, TV)
     grid = [sampling.power(p, m, ALPHA, TV) for m in range(0, 20_001, 250)]
     assert all(b > a or a == 1.0 for a, b in itertools.pairwise(grid[1:])) and grid[0] == 0.0 < grid[1] < POWER
 
 
-def test_the_manifest_draws_give_the_exact_test_its_stated_power():
+def test_the_manifest_draws_are_what_the_exact_sample_size_asks_for():
     """The checks' p-values are exact (sampling.exact_tail), and so is the power they state and
     require: the manifest's draws, plain and truncated, are the fewest whole requests (a top-k and
-    a top-p one for the truncated) whose exact power reaches the manifest's. The limit overstates
-    it (0.99911 at 7040 draws, exactly 0.99896): its sample_size falls short."""
+    a top-p one for the truncated) that cover sampling.sample_size, and reach the power. The
+    limit overstates it (0.99911 at 7040 draws, exactly 0.99896): its size falls a request short."""
     for design, n, fewer in ((DESIGN, REQUESTS * MAX_TOKENS, MAX_TOKENS),
                              (sampling.Design(LOGITS, VOCAB, T, top_k=2), TRUNCATED * TRUNCATED_TOKENS,
                               2 * TRUNCATED_TOKENS)):
         probs = design.probs()[0]
-        assert sampling.exact_power(probs, n, ALPHA, TV) >= POWER > sampling.exact_power(probs, n - fewer, ALPHA, TV)
-        assert sampling.sample_size(probs, ALPHA, POWER, TV) <= n - fewer
+        needed = sampling.sample_size(probs, ALPHA, POWER, TV)
+        assert n - fewer < needed <= n and sampling.exact_power(probs, n, ALPHA, TV) >= POWER
+        assert sampling.exact_power(probs, needed, ALPHA, TV) >= POWER > sampling.exact_power(probs, needed - 1,
+                                                                                               ALPHA, TV)
+        assert sampling.limit_sample_size(probs, ALPHA, POWER, TV) <= n - fewer
+
+
+def test_sample_size_searches_from_the_limits_size_up_or_down():
+    """Where the exact test needs more than the limit (the manifest's case) and where it needs
+    less, sample_size is a size the exact power reaches and one draw fewer does not."""
+    for probs, alpha, want, tv, more in (([0.7, 0.3], 0.01, 0.9, 0.2, True),
+                                         ([0.55, 0.25, 0.12, 0.08], 0.001, 0.95, 0.15, False)):
+        n, limit = sampling.sample_size(probs, alpha, want, tv), sampling.limit_sample_size(probs, alpha, want, tv)
+        assert (n > limit) if more else (n < limit)
+        assert sampling.exact_power(probs, n, alpha, tv) >= want > sampling.exact_power(probs, n - 1, alpha, tv)
 
 
 @pytest.mark.parametrize("probs", [[0.7, 0.3], [0.5, 0.3, 0.2], [0.55, 0.25, 0.12, 0.08], [0.9, 0.06, 0.03, 0.01]])
@@ -206,13 +219,12 @@ def test_exact_tail_is_the_multinomial_tail_by_enumeration(probs):
         assert sampling.exact_tail(list(observed), probs) == pytest.approx(want, rel=1e-9, abs=1e-12), observed
 
 
-def test_sample_size_is_the_fewest_even_below_the_first_doubling():
-    """The doubling starts at 16: a design that needs fewer must still get the fewest, not
-    whatever the bisection between 8 and 16 lands on."""
+def test_limit_sample_size_is_the_fewest_even_below_where_its_search_starts():
+    """The search starts at 16: a design that needs fewer must still get the fewest."""
     for p, alpha, want, tv in (([0.5, 0.5], 0.05, 0.5, 0.4), ([0.5, 0.5], 0.05, 0.9, 0.4),
                                ([0.7, 0.3], 0.01, 0.9, 0.3)):
         fewest = next(m for m in range(1, 10_000) if sampling.power(p, m, alpha, tv) >= want)
-        assert sampling.sample_size(p, alpha, want, tv) == fewest
+        assert sampling.limit_sample_size(p, alpha, want, tv) == fewest
 
 
 def test_power_is_the_rejection_rate_at_the_least_favourable_shift():
