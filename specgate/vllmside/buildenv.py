@@ -165,6 +165,31 @@ def _install(venv: Path, spec: build.Spec, known: dict[str, Any] | None, pins: P
         _install_overlay(venv, str(spec.path))
     else:
         _install_into_new_venv(venv, _requirements(spec, known, pins), fresh=fresh, log=log)
+    _compile_bytecode(venv, pycache_prefix(venv, spec.source))
+
+
+# Run by a venv's python: compile the modules under each root (its arguments, else every folder
+# on its sys.path). A root's nested site-packages (the interpreter's own, under its library) is
+# another environment's, and test suites are not imported.
+_COMPILE = ("import compileall, os, re, sys\n"
+            "for root in sys.argv[1:] or [p for p in sys.path if os.path.isdir(p)]:\n"
+            "    skip = re.compile(re.escape(root) + r'/(site|dist)-packages/|/tests?/')\n"
+            "    compileall.compile_dir(root, quiet=1, workers=0, rx=skip)\n")
+
+
+def _compile_bytecode(venv: Path, prefix: Path | None) -> None:
+    """Bytecode where the sessions will look for it. uv writes none, and with
+    PYTHONDONTWRITEBYTECODE=1 (set on machines like ours) Python never does, so every `import
+    vllm` compiled vLLM, torch and transformers from source: 33 s instead of 12 s here. With a
+    PYTHONPYCACHEPREFIX Python looks for bytecode there and nowhere else (import vllm: 20.4 s
+    with it empty, 9.3 s with bytecode), so everything the venv imports, the interpreter's own
+    library and an installed build's packages too, is compiled into it, and nothing beside
+    their files. A file that does not compile on this Python (test data some packages ship) is
+    left to Python, which compiles it if it is ever imported."""
+    roots = [] if prefix else [str(_site_packages(venv))]
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(prefix)} if prefix else None
+    subprocess.run([str(venv / "bin" / "python"), "-c", _COMPILE, *roots], stdout=subprocess.DEVNULL, check=False,
+                   env=env, cwd="/")
 
 
 def _requirements(spec: build.Spec, known: dict[str, Any] | None, pins: Path) -> list[str]:
@@ -285,12 +310,19 @@ def _hash_matches(path: Path, hashed: str) -> bool:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == want
 
 
+def pycache_prefix(venv: Path, source: str) -> Path | None:
+    """Where the sessions of an installed build or a checkout keep bytecode: the venv's own
+    tree, never beside their files (the image's, the checkout's tests). Other builds: beside
+    the venv's own files, as usual."""
+    return venv / "pycache" if source in ("installed", "checkout") else None
+
+
 def run_env(venv: Path, record: dict[str, Any]) -> dict[str, str]:
     """What a session process in this venv needs beyond its pins."""
     env = {"VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            build.RECORD_VAR: json.dumps(record)}
-    if record["source"] in ("installed", "checkout"):   # bytecode of their trees goes here, never beside them
-        env["PYTHONPYCACHEPREFIX"] = str(venv / "pycache")
+    if prefix := pycache_prefix(venv, record["source"]):
+        env["PYTHONPYCACHEPREFIX"] = str(prefix)
     if record["source"] == "checkout":   # cpu_unit: the checkout's own tests and pipeline
         env["VLLM_SOURCE_DIR"] = os.environ.get("VLLM_SOURCE_DIR") or str(record["file"])
     return env
@@ -348,12 +380,6 @@ def _install_into_new_venv(venv: Path, requirements: list[str], *, fresh: bool, 
             f"need them are reported as environment-blocked (set ${torchprobe.CPU_INDEX_VAR} to fix)")
     _add_tools(venv, install, _distributions(python))
     torchprobe.write_record(torchprobe.degradation(broken), str(venv))
-    # uv writes no bytecode, and with PYTHONDONTWRITEBYTECODE=1 (set on machines like ours)
-    # Python never does, so every `import vllm` compiled vLLM, torch and transformers from
-    # source: 33 s instead of 12 s here. Exit 1 only means some file does not compile on this
-    # Python (test data some packages ship), which Python compiles lazily if ever imported.
-    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", str(_site_packages(venv))],
-                   stdout=subprocess.DEVNULL, check=False)
 
 
 def _add_tools(venv: Path, install: list[str], present: set[str]) -> None:

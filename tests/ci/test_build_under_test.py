@@ -14,6 +14,7 @@ on them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -26,7 +27,7 @@ from contract import assert_valid
 from hubserver import HubServer, Repo, hf_env
 
 from specgate.core import build, envpin, manifest
-from specgate.vllmside import fixtures
+from specgate.vllmside import buildenv, fixtures
 
 # The one check whose verification steps reject drafts (wrong at position 1 by design), so a
 # rejection that emits the draft instead of the target's token changes the known answer.
@@ -51,7 +52,10 @@ def gate_e2e(checkout: Path, vllm: str, home: Path, selected: str = SELECTED,
              env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     """The gate's e2e step on the build `--vllm vllm` names, as a job runs it (the agent
     machine's environment)."""
-    env = {**Agent._machine_env(home / "bin"), "HF_HOME": str(home / "hf"), **(env or {})}
+    # No bytecode written by the sessions, as on machines like ours: what they find compiled, the
+    # venv's install compiled (assert_compiled_into_the_prefix).
+    env = {**Agent._machine_env(home / "bin"), "HF_HOME": str(home / "hf"), "PYTHONDONTWRITEBYTECODE": "1",
+           **(env or {})}
     proc = subprocess.run(["python3", "scripts/noxw.py", "-s", "cpu_e2e", "--", "--vllm", vllm,
                            "-k", selected], cwd=checkout, env=env, capture_output=True, text=True, timeout=1500)
     summary = assert_valid(json.loads((checkout / "artifacts" / "cpu_e2e" / "summary.json").read_text()))
@@ -150,6 +154,9 @@ def test_a_source_checkout_runs_its_python_over_the_releases_extensions(vllm_sou
     edit(wheels.REPAIRED_55005)
     proc = assert_fixed_55005(checkout, str(vllm_source), tmp_path)
     assert "is installed; reusing it" in proc.stderr and f"commit {head[:12]})" in proc.stdout
+    [venv] = [path for path in (checkout / ".nox").glob("vllm-checkout-*") if path.is_dir()]
+    site = next(venv.glob("lib/python3*/site-packages"))
+    assert_compiled_into_the_prefix(venv, "checkout", site / "vllm" / "__init__.py", site / "torch" / "__init__.py")
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -180,6 +187,23 @@ def test_installed_uses_that_vllm_as_it_is(checkout, tmp_path):
     assert data["vllm"]["location"] == str(site.resolve())   # the session imported the image's vLLM
     assert data["counts"]["passed"] >= 1
     assert {name: tree_digest(site / name) for name in ("vllm", "torch")} == before
+    assert_compiled_into_the_prefix(checkout / ".nox" / f"vllm-{data['vllm']['id']}", "installed",
+                                    site / "vllm" / "__init__.py", site / "torch" / "__init__.py")
+
+
+def assert_compiled_into_the_prefix(venv: Path, source: str, *files: Path) -> None:
+    """An installed build's or a checkout's sessions run with the venv's PYTHONPYCACHEPREFIX,
+    where Python looks for bytecode and nowhere else: left empty, with PYTHONDONTWRITEBYTECODE=1
+    every import compiled from source (import vllm 20.4 s against 9.3 s). The venv's install
+    compiles the build's packages, and the interpreter's library, into it."""
+    python, prefix = str(venv / "bin" / "python"), buildenv.pycache_prefix(venv, source)
+    assert prefix is not None
+    code = ("import importlib.util, json, sys\n"   # the build's files, and the interpreter's own json
+            "print(json.dumps([importlib.util.cache_from_source(f) for f in [*sys.argv[1:], json.__file__]]))")
+    found = subprocess.run([python, "-c", code, *map(str, files)], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPYCACHEPREFIX": str(prefix)}).stdout
+    for pyc in map(Path, json.loads(found)):
+        assert pyc.is_relative_to(prefix) and pyc.is_file(), pyc
 
 
 def test_a_vllm_build_with_a_broken_wheel_is_red_and_its_annotation_names_the_build(pinned_wheel, tmp_path):
