@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from contract import read_valid
+import pytest
+from contract import assert_valid, read_valid
 
 from specgate.contract import artifacts, summary
 
@@ -24,6 +26,19 @@ def test_summary_lands_under_artifacts_session(tmp_path, monkeypatch):
     data = read_valid(path)
     assert data["session"] == "cpu_unit" and data["status"] == "finished" and data["exit_code"] == 0
     assert [p.name for p in path.parent.iterdir()] == ["summary.json"]  # no temp file left
+
+
+def test_the_tests_contract_check_names_a_bad_entry_and_a_bad_field(tmp_path, monkeypatch):
+    """tests/contract.py checks each `tests` entry on its own (cached): a bad entry must still
+    fail there, under its index, as a bad top-level field does."""
+    monkeypatch.setenv("SPECGATE_ARTIFACTS", str(tmp_path))
+    record = read_valid(summary.finish(summary.begin("cpu_unit"), 0))
+    entry = {"nodeid": "t::a", "outcome": "passed", "cause": None, "reason": None, "time_s": 0.5}
+    assert_valid({**record, "tests": [entry, entry]})
+    with pytest.raises(AssertionError, match=re.escape("tests/1/outcome: 'weird' is not one of")):
+        assert_valid({**record, "tests": [entry, {**entry, "outcome": "weird"}]})
+    with pytest.raises(AssertionError, match="status: 'nope' is not one of"):
+        assert_valid({**record, "status": "nope", "tests": [entry]})
 
 
 def test_a_writer_killed_mid_write_leaves_the_old_file_intact(tmp_path):

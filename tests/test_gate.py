@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema
 import pytest
+from contract import assert_valid, read_valid
 from histories import NGRAM, VERSION, build, clean_history, entry, job, passing, vllm_build, write_history
 
 from specgate.contract import summary
@@ -20,7 +20,6 @@ from specgate.sessions.gate import session as gate
 
 REPO = Path(__file__).resolve().parent.parent
 GATE = manifest.load().gate
-SCHEMA = summary.load_schema()
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +39,7 @@ def run_gate(tmp_path: Path, capsys, summaries: list[dict], *args: str) -> tuple
 
 def written(artifacts_root: Path) -> dict:
     record = json.loads((artifacts_root / "gate" / "summary.json").read_text())
-    jsonschema.validate(record, SCHEMA)
+    assert_valid(record)
     return record
 
 
@@ -289,7 +288,7 @@ def test_the_gate_reads_what_the_sessions_write(tmp_path, capsys, monkeypatch, a
             record["shard"] = {"num_shards": 2, "shard_id": shard}
             record["vllm_version"] = VERSION   # whatever this venv has installed
             record["tests"] = [t for i, t in enumerate(passing("cpu_unit")) if i % 2 == shard]
-            jsonschema.validate(json.loads(summary.finish(record, 0).read_text()), SCHEMA)
+            read_valid(summary.finish(record, 0))
     for var in ("BUILDKITE_BUILD_ID", "BUILDKITE_BUILD_NUMBER", "BUILDKITE_JOB_ID"):
         monkeypatch.delenv(var)
     monkeypatch.setenv("SPECGATE_ARTIFACTS", str(artifacts_root))
