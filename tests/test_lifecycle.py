@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 TOKEN = "hf_PLANTEDlifecycle0123456789"
 # A session module in miniature: the real lifecycle around a step chosen by argv[1].
 SESSION = '''
-import subprocess, sys, time
-from specgate.contract import artifacts
+import os, subprocess, sys, tempfile, time
+from specgate.contract import artifacts, processes
 from specgate.core import cli
 from specgate.sessions import lifecycle
 
@@ -38,6 +38,14 @@ def step(ctx):
         return 0
     if what == "crash":
         raise RuntimeError("a harness bug")
+    if what.startswith("litter"):   # as torch._dynamo's import does, and a temp file of its own
+        os.makedirs(os.path.join(tempfile.gettempdir(), "torchinductor_user"))
+        tempfile.mkstemp()
+        subprocess.run([sys.executable, "-c", "import tempfile; print('child temp', tempfile.gettempdir())"])
+        print("given", processes.given_tempdir(), "own", os.path.dirname(tempfile.gettempdir()), flush=True)
+        if what == "litter-crash":
+            raise RuntimeError("a harness bug")
+        return 0
     if what == "leak":   # a child writes the token raw into a log under artifacts
         (artifacts.artifacts_dir("tests") / "child.log").write_text("Bearer " + sys.argv[-1])
         ctx.record["tests"] = [{"nodeid": "t.py::a", "outcome": "passed", "cause": None, "reason": None, "time_s": 0}]
@@ -118,6 +126,19 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path):
     data = record(tmp_path)
     assert code == 2 and data["status"] == "finished" and data["exit_code"] == 2
     assert "error: nox -s tests -- unrecognized arguments: --bogus (this session runs no pytest)" in out
+
+
+@pytest.mark.parametrize("what", ["litter", "litter-crash"])
+def test_what_the_session_process_leaves_in_its_temp_dir_goes_with_it(run, tmp_path, what):
+    """A session that builds a fixture imports torch._dynamo, which makes <temp dir>/torchinductor_<user>
+    at import: that goes, however the step ends. Children keep the temp dir TMPDIR names."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    code, out = finished(run(what, TMPDIR=str(temp)))
+    assert record(tmp_path)["status"] == ("finished" if what == "litter" else "crashed"), out
+    assert f"child temp {temp}\n" in out
+    assert f"given {temp} own {temp}\n" in out   # a pytest child's folder goes in the given one, not in the session's
+    assert not list(temp.iterdir())
 
 
 def test_a_stopped_session_says_killed_and_takes_its_tree_with_it(run, tmp_path):

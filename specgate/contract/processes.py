@@ -1,13 +1,17 @@
 """No process outlives its step: children die with their parent, and a session that
-is stopped takes its whole process tree with it (psutil walks the tree)."""
+is stopped takes its whole process tree with it (psutil walks the tree). Nor does a
+session process's temp dir."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 3.0
@@ -45,3 +49,28 @@ def end_process_tree(pid: int, grace_s: float = GRACE_S, *, spare_root: bool = F
             proc.kill()
     psutil.wait_procs(alive, timeout=grace_s)
     return [proc.pid for proc in procs]
+
+
+_given_tempdir: str | None = None   # the session's temp dir while session_tempdir() holds it
+
+
+@contextlib.contextmanager
+def session_tempdir() -> Iterator[None]:
+    """The session process's own temp files go into a folder removed when it leaves this block,
+    as its pytest child's do: a session that builds a fixture imports torch._dynamo, whose import
+    creates <temp dir>/torchinductor_<user>. tempfile's setting, not TMPDIR: other child
+    processes keep the temp dir the environment names, and a pytest child's folder goes there
+    too, not one level down (the socket paths stay short)."""
+    global _given_tempdir
+    _given_tempdir = given = tempfile.gettempdir()
+    private = tempfile.tempdir = tempfile.mkdtemp(prefix="specgate-")
+    try:
+        yield
+    finally:
+        tempfile.tempdir, _given_tempdir = given, None
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def given_tempdir() -> str:
+    """The temp dir this process was given (the environment's), inside session_tempdir() too."""
+    return _given_tempdir or tempfile.gettempdir()

@@ -86,7 +86,8 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
         ctx = Context(session, manifest, args, record)
         if hasattr(args, "num_shards"):
             ctx.set_shard(args.num_shards, args.shard_id)
-        with cachestore.lease(*cachestore.build_venv()):    # never pruned while it runs
+        # The lease: the build's venv is never pruned while the session runs.
+        with cachestore.lease(*cachestore.build_venv()), processes.session_tempdir():
             code = step(ctx)
     except (cli.BadInput, Abort) as exc:
         print(f"error: {exc}", flush=True)

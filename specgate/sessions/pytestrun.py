@@ -55,8 +55,10 @@ def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] |
                *collector_args(env), f"--junitxml={junit}", "-o", "junit_family=xunit1", *args]
     print(redact("+ " + " ".join(command)), flush=True)
     # A short name: vLLM's IPC sockets go in it, and a Unix socket's path has at most 107 bytes.
-    with tempfile.TemporaryDirectory(prefix="specgate-", ignore_cleanup_errors=True) as private:
+    given = processes.given_tempdir()
+    with tempfile.TemporaryDirectory(prefix="specgate-", dir=given, ignore_cleanup_errors=True) as private:
         return _run(command, cwd, private_tmpdir_env(env, Path(private)), junit, log)
+
 
 
 def private_tmpdir_env(env: dict[str, str], private: Path) -> dict[str, str]:
