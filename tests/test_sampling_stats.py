@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -349,18 +350,21 @@ def correct_run(seed: int) -> tuple[list[int | str], dict, dict]:
 
 def test_a_correct_speculative_sampler_passes_every_seed():
     """False alarms: none over 30 seeds (60 tests at alpha 1e-6). Each run's distribution check
-    has the power the manifest asks for, drafts are verified at every position, and the p-values
-    look uniform (a Kolmogorov-Smirnov check: a miscalibrated statistic, e.g. a df too small or a
-    variance too large, shows up there long before it gives a false alarm at 1e-6).
+    has the power the manifest asks for, drafts are verified at every position, and the
+    distribution check's p-values look uniform (a Kolmogorov-Smirnov check: a miscalibrated
+    statistic shows up there long before it gives a false alarm at 1e-6). The acceptance check's
+    e-values average below 1, as a fair bet's must (0.64 over these seeds); its p-values 1 / E
+    are conservative by design, not uniform.
 
-    The acceptance check's own power is moderate here (0.41 to 0.57 over the seeds, against a tv
+    The acceptance check's own power is moderate here (0.36 to 0.54 over the seeds, against a tv
     0.05 shift of every acceptance probability, with the manifest's 177 requests of 40 tokens
-    cycling its 5 prompts, the ngram run among them; 0.1 to 0.4 with 64 requests of 110): on the
-    context rule the successor drafts land on the support only while the last two tokens stay
-    close, ~1% of position-0 trials after each request's first few tokens, so its `impossible`
-    lines catch a broken verifier first."""
+    cycling its 5 prompts, the ngram run among them; 0.41 to 0.57 for the chi-square limit's
+    test it replaced, whose false-alarm bound did not hold): on the context rule the successor
+    drafts land on the support only while the last two tokens stay close, ~1% of position-0
+    trials after each request's first few tokens, so its `impossible` lines catch a broken
+    verifier first."""
     from scipy import stats
-    failures, fit_p, acc_p = [], [], []
+    failures, fit_p, acc_e = [], [], []
     for seed in SEEDS:
         values, fit, acc = correct_run(seed)
         assert fit["n"] == REQUESTS * MAX_TOKENS and fit["outside_support"] == 0
@@ -370,10 +374,31 @@ def test_a_correct_speculative_sampler_passes_every_seed():
         failures += [f"seed {seed}: {name} p = {t['p_value']:.3g}" for name, t in (("fit", fit), ("acceptance", acc))
                      if not t["passed"]]
         fit_p.append(fit["p_value"])
-        acc_p.append(acc["p_value"])
+        acc_e.append(np.exp(acc["statistic"]))
     assert not failures, failures
     assert stats.kstest(fit_p, "uniform").pvalue > 1e-3, sorted(fit_p)
-    assert stats.kstest(acc_p, "uniform").pvalue > 1e-3, sorted(acc_p)
+    assert np.mean(acc_e) < 1.5, sorted(acc_e)
+
+
+def test_the_acceptance_e_value_is_a_fair_bet_over_every_outcome():
+    """E[E] = 1 for a correct sampler, exactly: every outcome of 8 trials at four acceptance
+    probabilities over two positions, weighted by its probability. A factor that used p where
+    it needs 1 - p, or counted a trial twice, would make the bet unfair (and its 1e-6 bound
+    false); and no outcome of so few trials reaches the threshold."""
+    probs = [(0, 0.587), (0, 0.111), (0, 0.587), (1, 0.255), (1, 0.048), (0, 0.048), (1, 0.587), (1, 0.111)]
+    mean = 0.0
+    for outcome in itertools.product((0, 1), repeat=len(probs)):
+        part = sampling.Acceptance([0, 0], [0, 0], [0.0, 0.0], [{}, {}], [])
+        weight = 1.0
+        for (position, p), hit in zip(probs, outcome, strict=True):
+            part.tally[position].setdefault(p, [0, 0])[0] += 1
+            part.tally[position][p][1] += hit
+            part.trials[position] += 1
+            weight *= p if hit else 1 - p
+        test = sampling.acceptance_test([part], 2, ALPHA, TV)
+        assert test["passed"] and test["df"] == 2
+        mean += weight * np.exp(test["statistic"])
+    assert mean == pytest.approx(1.0, abs=1e-3)   # statistic is log E rounded to 3 decimals
 
 
 def test_acceptance_expected_matches_what_the_simulation_accepted():
@@ -397,13 +422,11 @@ def test_recovery_that_can_return_the_rejected_draft_is_caught():
 
 def test_acceptance_with_a_constant_uniform_is_caught():
     """(b) Accept iff p(d) >= 0.5 (the uniform fixed at 0.5): offset-0 drafts always accepted,
-    the others never. Nothing impossible happens; the acceptance rates give it away: all of 30
-    seeds caught, statistics 249 .. 316 on 3 df against a threshold of 30.7 (38 .. 95 with 64
-    requests of 110 tokens: the short requests put more drafts on the support). The emitted
+    the others never. Nothing impossible happens; the acceptance rates give it away: log E 70 to
+    90 on the first six seeds against a threshold of log(32 bets / 1e-6) = 17.3. The emitted
     distribution moves too (p < 1e-6 on 27 of the 30 seeds, 2.9e-9 on this one)."""
-    from scipy import stats
     _, fit, acc = judge(batch(Sampler(CORRECT.probs, fixed_u=0.5), 0), DESIGN)
-    assert not acc["passed"] and acc["statistic"] > stats.chi2.isf(ALPHA, DRAFTS)
+    assert not acc["passed"] and acc["statistic"] > math.log(32 / ALPHA)
     assert not acc["impossible"]
 
 
@@ -618,7 +641,8 @@ def test_acceptance_of_an_off_support_draft_is_that_tokens_probability():
     probs, other = design.probs()
     out = sampling.acceptance(PROMPT, [8, 9], [[15, 10, 11]], [0], design, DRAFTS, "r")   # 15 - 9 = offset 6
     assert out.expected[0] == pytest.approx(other / (16 - 4))
-    assert out.variance[0] == pytest.approx(other / 12 * (1 - other / 12))
+    [(p, counts)] = out.tally[0].items()
+    assert p == pytest.approx(other / 12) and counts == [1, 0]
 
 
 # --------------------------------------------------------------------------- 5. goodness of fit by hand

@@ -58,11 +58,12 @@ def _require(test: dict, what: str, want_power: float | None = None) -> None:
             f"{test['tv_shift']} with {test['n']} samples; the check would be too weak to trust")
     outside = f", {test['outside_support']} outside the support" if test.get("outside_support") else ""
     # The acceptance check also fails on events no correct sampler produces, whatever its p-value.
-    verdict = (f"{len(test['impossible'])} event(s) no correct sampler produces; chi-square" if test.get("impossible")
-               else "chi-square")
+    impossible = f"{len(test['impossible'])} event(s) no correct sampler produces; " if test.get("impossible") else ""
+    statistic = (f"log e-value {test['statistic']} over {test['df']} position(s)" if test.get("test") == "e-value"
+                 else f"chi-square {test['statistic']} on {test['df']} df")
     relation = "<" if test["p_value"] < test["alpha"] else ">="
     shown = ", ".join(f"{key} {test[key]}" for key in ("counts", "expected", "top", "rare") if key in test)
-    assert test["passed"], (f"{what}: {verdict} {test['statistic']} on {test['df']} df, p = {test['p_value']:.3g} "
+    assert test["passed"], (f"{what}: {impossible}{statistic}, p = {test['p_value']:.3g} "
                             f"{relation} {test['alpha']} ({shown}{outside})"
                             + "".join(f"\n  {line}" for line in test.get("impossible", [])))
 

@@ -398,13 +398,13 @@ def _homogeneity(row_a: Sequence[int], row_b: Sequence[int], na: int, nb: int, a
 
 @dataclass
 class Acceptance:
-    """Per draft position: how many drafts were verified there, how many accepted, and the
-    sum and variance of their acceptance probabilities; plus what no correct sampler does."""
+    """Per draft position: how many drafts were verified there, how many accepted, and the sum
+    of their acceptance probabilities; the informative ones (p between 1e-9 and 1) by p; plus
+    what no correct sampler does."""
     trials: list[int]
-    informative: list[int]      # trials whose acceptance probability is between 1e-9 and 1
     accepted: list[int]
     expected: list[float]
-    variance: list[float]
+    tally: list[dict[float, list[int]]]   # p -> [trials, accepted], informative trials only
     impossible: list[str]       # accepted drafts the target gives probability < 1e-9, and other breaks
 
 
@@ -418,7 +418,7 @@ def acceptance(prompt: Sequence[int], tokens: Sequence[int], drafts: Sequence[Se
     many tokens the request had emitted before each drafted step (None: every step after the
     prefill drafted, as the model-based drafters do; ngram skips steps)."""
     probs, other = design.probs()
-    out = Acceptance([0] * k, [0] * k, [0] * k, [0.0] * k, [0.0] * k, [])
+    out = Acceptance([0] * k, [0] * k, [0.0] * k, [{} for _ in range(k)], [])
     emitted = 1                                              # the prefill step emits one token
     for step, (proposal, taken) in enumerate(zip(drafts, per_step_accepted, strict=False)):
         if starts is not None:
@@ -430,9 +430,10 @@ def acceptance(prompt: Sequence[int], tokens: Sequence[int], drafts: Sequence[Se
             j = (draft - answer(seq + list(proposal[:position]), design.vocab)) % design.vocab
             p = probs[j] if j < len(probs) else other / (design.vocab - len(probs))   # one of the zero logits
             out.trials[position] += 1
-            out.informative[position] += 1e-9 < p < 1
             out.expected[position] += p
-            out.variance[position] += p * (1 - p)
+            if 1e-9 < p < 1:
+                out.tally[position].setdefault(p, [0, 0])[0] += 1
+                out.tally[position][p][1] += position < taken
             if position < taken:
                 out.accepted[position] += 1
                 if p < 1e-9:
@@ -449,27 +450,72 @@ def acceptance(prompt: Sequence[int], tokens: Sequence[int], drafts: Sequence[Se
     return out
 
 
+# The acceptance check's bets (acceptance_test): on a trial of probability p, bet
+# scale * tv / (p (1 - p)), within [-1, 1] (so every factor 1 + bet (x - p) stays positive): about
+# what a shift of every p by tv * scale calls for. Each scale bets on every draft position
+# together, and on each position alone.
+BET_SCALES = (-2.0, -1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 2.0)
+
+
 def acceptance_test(parts: Sequence[Acceptance], k: int, alpha: float, tv: float) -> dict[str, Any]:
-    """Per position, the accepted count against the sum of the acceptance probabilities, scaled
-    by its variance; summed over positions that is chi-square with one degree of freedom per
-    position (each count is a sum of Bernoulli draws given the past). The power is for every
-    acceptance probability between 1e-9 and 1 shifted by tv (an accepted draft of probability
-    below 1e-9 fails on its own)."""
-    from scipy import stats
+    """Per draft position, whether drafts were accepted at the rate the target gives them. The
+    trials' acceptance probabilities p depend on the path each request took, so no exact tail is
+    at hand, and the chi-square limit of (accepted - sum p)^2 / variance errs upwards at 1e-6 by up
+    to ten times where counts are small (docs/sampling.md). Instead each bet (BET_SCALES, on all
+    positions or on one) makes a test martingale, the product over its trials of
+    1 + bet (accepted - p): a correct sampler accepts each draft with its p given the past, so
+    E[M] = 1 along any path, and so does the e-value E, the mean of M over the bets. By Ville's
+    inequality a correct sampler reaches E >= 1 / alpha with probability at most alpha: the
+    p-value 1 / E holds the bound whatever the path; `statistic` is log E and `df` the positions
+    with an informative trial. The power, recorded, is for every acceptance probability between
+    1e-9 and 1 shifted by tv (either way, the worse), from the best single bet, whose log-growth
+    is a sum of independent terms there, taken as normal. An accepted draft of probability below
+    1e-9 fails on its own."""
+    from scipy import special
 
     trials = [sum(a.trials[i] for a in parts) for i in range(k)]
     accepted = [sum(a.accepted[i] for a in parts) for i in range(k)]
     expected = [sum(a.expected[i] for a in parts) for i in range(k)]
-    variance = [sum(a.variance[i] for a in parts) for i in range(k)]
-    used = [i for i in range(k) if variance[i] > 0]
-    statistic = sum((accepted[i] - expected[i]) ** 2 / variance[i] for i in used)
-    df = len(used)
-    p_value = float(stats.chi2.sf(statistic, df)) if df else 1.0
+    tally: dict[tuple[int, float], list[int]] = {}     # (position, p) -> [trials, accepted]
+    for a in parts:
+        for position, counts in enumerate(a.tally[:k]):
+            for p, (n, hits) in counts.items():
+                pooled = tally.setdefault((position, p), [0, 0])
+                pooled[0], pooled[1] = pooled[0] + n, pooled[1] + hits
+    used = sorted({position for position, _ in tally})
+    groups = [[(p, n, hits) for (position, p), (n, hits) in tally.items() if position in chosen]
+              for chosen in ([used] + [[position] for position in used] if len(used) > 1 else [used] * bool(used))]
+    bets = [(group, scale) for group in groups for scale in BET_SCALES]
+    logs = [sum(hits * math.log1p(b * (1 - p)) + (n - hits) * math.log1p(-b * p)
+                for p, n, hits in group for b in (_bet(p, scale, tv),)) for group, scale in bets]
+    log_e = float(special.logsumexp(logs) - math.log(len(logs))) if logs else 0.0
+    p_value = min(1.0, math.exp(-log_e))
+    threshold = math.log(len(bets) / alpha) if bets else math.inf
+    reach = min(max((_bet_power(group, scale, tv, shift, threshold) for group, scale in bets), default=0.0)
+                for shift in (tv, -tv))
     impossible = [line for a in parts for line in a.impossible]
-    informative = [sum(a.informative[i] for a in parts) for i in range(k)]
-    shift = sum((tv * informative[i]) ** 2 / variance[i] for i in used)
-    reach = float(stats.ncx2.sf(stats.chi2.isf(alpha, df), df, shift)) if df else 0.0
-    return {"trials": trials, "accepted": accepted, "expected": [round(e, 1) for e in expected],
-            "statistic": round(statistic, 3), "df": df, "p_value": p_value, "alpha": alpha,
+    return {"trials": trials, "accepted": accepted, "expected": [round(e, 1) for e in expected], "test": "e-value",
+            "statistic": round(log_e, 3), "df": len(used), "p_value": p_value, "alpha": alpha,
             "power": round(reach, 6), "tv_shift": tv, "impossible": impossible[:20],
             "passed": p_value >= alpha and not impossible}
+
+
+def _bet(p: float, scale: float, tv: float) -> float:
+    return max(-1.0, min(1.0, scale * tv / (p * (1 - p))))
+
+
+def _bet_power(group: Sequence[tuple[float, int, int]], scale: float, tv: float, shift: float,
+               threshold: float) -> float:
+    """P(log M >= threshold) for one bet's martingale when each trial of probability p is
+    accepted with p + shift instead (clipped to [0, 1]), log M taken as normal."""
+    from scipy import stats
+
+    mean = variance = 0.0
+    for p, n, _ in group:
+        q, b = min(1.0, max(0.0, p + shift)), _bet(p, scale, tv)
+        win, loss = math.log1p(b * (1 - p)), math.log1p(-b * p)
+        mean += n * (q * win + (1 - q) * loss)
+        variance += n * q * (1 - q) * (win - loss) ** 2
+    if variance == 0:
+        return float(mean >= threshold)
+    return float(stats.norm.sf((threshold - mean) / math.sqrt(variance)))
