@@ -483,11 +483,11 @@ def acceptance_test(parts: Sequence[Acceptance], k: int, alpha: float, tv: float
                 pooled = tally.setdefault((position, p), [0, 0])
                 pooled[0], pooled[1] = pooled[0] + n, pooled[1] + hits
     used = sorted({position for position, _ in tally})
+    alone = [[position] for position in used] if len(used) > 1 else []
     groups = [[(p, n, hits) for (position, p), (n, hits) in tally.items() if position in chosen]
-              for chosen in ([used] + [[position] for position in used] if len(used) > 1 else [used] * bool(used))]
+              for chosen in [used, *alone] if chosen]
     bets = [(group, scale) for group in groups for scale in BET_SCALES]
-    logs = [sum(hits * math.log1p(b * (1 - p)) + (n - hits) * math.log1p(-b * p)
-                for p, n, hits in group for b in (_bet(p, scale, tv),)) for group, scale in bets]
+    logs = [_log_wealth(group, scale, tv) for group, scale in bets]
     log_e = float(special.logsumexp(logs) - math.log(len(logs))) if logs else 0.0
     p_value = min(1.0, math.exp(-log_e))
     threshold = math.log(len(bets) / alpha) if bets else math.inf
@@ -502,6 +502,12 @@ def acceptance_test(parts: Sequence[Acceptance], k: int, alpha: float, tv: float
 
 def _bet(p: float, scale: float, tv: float) -> float:
     return max(-1.0, min(1.0, scale * tv / (p * (1 - p))))
+
+
+def _log_wealth(group: Sequence[tuple[float, int, int]], scale: float, tv: float) -> float:
+    """log of the bet's martingale: log(1 + b (1 - p)) per accepted trial, log(1 - b p) per rejected."""
+    return sum(hits * math.log1p(_bet(p, scale, tv) * (1 - p)) + (n - hits) * math.log1p(-_bet(p, scale, tv) * p)
+               for p, n, hits in group)
 
 
 def _bet_power(group: Sequence[tuple[float, int, int]], scale: float, tv: float, shift: float,
