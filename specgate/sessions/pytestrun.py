@@ -60,7 +60,6 @@ def run_pytest(args: list[str], junit: Path, *, cwd: Path, env: dict[str, str] |
         return _run(command, cwd, private_tmpdir_env(env, Path(private)), junit, log)
 
 
-
 def private_tmpdir_env(env: dict[str, str], private: Path) -> dict[str, str]:
     """`env` with TMPDIR at `private`, a folder removed after the run: what the child leaves
     in its temp dir (pytest's tmp_path, vLLM's IPC sockets and gloo files) goes with it.
