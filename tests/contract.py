@@ -27,9 +27,9 @@ def _entry_errors(entry: str) -> tuple[str, ...]:
     return tuple(_lines(ENTRY_VALIDATOR, json.loads(entry)))
 
 
-def _lines(validator: Draft202012Validator, data: object, prefix: tuple = ()) -> list[str]:
+def _lines(validator: Draft202012Validator, data: object) -> list[str]:
     errors = sorted(validator.iter_errors(data), key=lambda e: list(e.path))
-    return [f"{'/'.join(map(str, (*prefix, *e.path))) or '(root)'}: {e.message}" for e in errors]
+    return [f"{'/'.join(map(str, e.path)) or '(root)'}: {e.message}" for e in errors]
 
 
 def assert_valid(data: dict) -> dict:

@@ -500,14 +500,16 @@ def acceptance_test(parts: Sequence[Acceptance], k: int, alpha: float, tv: float
             "passed": p_value >= alpha and not impossible}
 
 
-def _bet(p: float, scale: float, tv: float) -> float:
-    return max(-1.0, min(1.0, scale * tv / (p * (1 - p))))
+def _log_factors(p: float, scale: float, tv: float) -> tuple[float, float]:
+    """A trial's log-factor in the bet's martingale, accepted and rejected: log(1 + b (1 - p)) and
+    log(1 - b p), the bet b = scale tv / (p (1 - p)) kept within [-1, 1]."""
+    b = max(-1.0, min(1.0, scale * tv / (p * (1 - p))))
+    return math.log1p(b * (1 - p)), math.log1p(-b * p)
 
 
 def _log_wealth(group: Sequence[tuple[float, int, int]], scale: float, tv: float) -> float:
-    """log of the bet's martingale: log(1 + b (1 - p)) per accepted trial, log(1 - b p) per rejected."""
-    return sum(hits * math.log1p(_bet(p, scale, tv) * (1 - p)) + (n - hits) * math.log1p(-_bet(p, scale, tv) * p)
-               for p, n, hits in group)
+    """log of the bet's martingale over the group's trials."""
+    return sum(hits * win + (n - hits) * loss for p, n, hits in group for win, loss in (_log_factors(p, scale, tv),))
 
 
 def _bet_power(group: Sequence[tuple[float, int, int]], scale: float, tv: float, shift: float,
@@ -518,8 +520,7 @@ def _bet_power(group: Sequence[tuple[float, int, int]], scale: float, tv: float,
 
     mean = variance = 0.0
     for p, n, _ in group:
-        q, b = min(1.0, max(0.0, p + shift)), _bet(p, scale, tv)
-        win, loss = math.log1p(b * (1 - p)), math.log1p(-b * p)
+        q, (win, loss) = min(1.0, max(0.0, p + shift)), _log_factors(p, scale, tv)
         mean += n * (q * win + (1 - q) * loss)
         variance += n * q * (1 - q) * (win - loss) ** 2
     if variance == 0:
