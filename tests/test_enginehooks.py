@@ -73,3 +73,15 @@ def test_the_repaired_builds_shim_expands_as_the_runtime_repair_does(kernels, dt
     repaired = importlib.util.module_from_spec(spec)
     exec(compile(source.replace(old, new), path, "exec"), repaired.__dict__)
     assert _expand(repaired, [3, 0, 2], dtype) == [3, 3, 1, 1, 1, 2]
+
+
+@pytest.mark.vllm
+def test_the_recorded_q_keeps_each_drafted_token_and_every_token_of_at_least_the_floor():
+    """What the acceptance check reads of q: the drafted token's probability even below the floor
+    (here 1e-7 and 0), and every other token's of at least Q_FLOOR (1e-6)."""
+    import torch
+
+    q = torch.tensor([[0.6, 0.4 - 1e-7, 1e-7, 0.0], [1e-8, 0.0, 0.0, 1.0 - 1e-8]])
+    rows = enginehooks._sparse_rows(q, torch.tensor([2, 1]))
+    assert [[token for token, _ in row] for row in rows] == [[0, 1, 2], [1, 3]]
+    assert rows[0][2][1] == pytest.approx(1e-7) and rows[1][0][1] == 0.0

@@ -626,6 +626,40 @@ def test_acceptance_flags_an_accepted_draft_the_target_cannot_emit():
     assert not out.impossible and out.trials == [1, 0, 0] and out.expected == [0.0, 0.0, 0.0]
 
 
+# Probabilistic drafts: q as enginehooks records it, [token, q] pairs per draft position. After
+# [.., 8] the answer is 9 (offset 0, p = P[0]) and 10 would be offset 1.
+def _with_q(tokens, accepted, q_rows):
+    return sampling.acceptance(PROMPT, tokens, [[9, 10, 11]], [accepted], DESIGN, DRAFTS, "r", draft_q=[q_rows])
+
+
+def test_acceptance_with_draft_probabilities_is_min_1_p_over_q():
+    """q(9) = 0.9 > p(9): accepted with probability p / q; the recovery 10, which q does not
+    favour over p, is consistent. A step recorded without q is one-hot (the probability is p)."""
+    out = _with_q([8, 10], 0, [[[9, 0.9]], [[10, 1.0]], [[11, 1.0]]])
+    assert not out.impossible, out.impossible
+    assert out.trials == [1, 0, 0] and out.expected[0] == pytest.approx(P[0] / 0.9)
+    assert list(out.tally[0]) == [pytest.approx(P[0] / 0.9)]
+    one_hot = sampling.acceptance(PROMPT, [8, 10], [[9, 10, 11]], [0], DESIGN, DRAFTS, "r", draft_q=[None])
+    assert one_hot.expected[0] == pytest.approx(P[0])
+
+
+def test_acceptance_flags_a_rejected_draft_whose_p_is_at_least_its_q():
+    """q(9) = 0.3 < p(9) = 0.59: min(1, p / q) = 1, so no correct sampler rejects it."""
+    out = _with_q([8, 10], 0, [[[9, 0.3]], [[10, 1.0]], [[11, 1.0]]])
+    assert len(out.impossible) == 1 and "draft 9 rejected at position 0" in out.impossible[0]
+    assert out.expected[0] == 1.0 and not out.tally[0]     # certain: no bet is placed on it
+
+
+def test_acceptance_flags_a_recovery_the_residual_excludes():
+    """The recovery comes from max(0, p - q): 10 with q(10) = 0.6 above p(10) cannot be it
+    (the recovered-as-one-hot mutant's signature); with q(10) at p(10) the slack allows it."""
+    p10 = P[1]
+    out = _with_q([8, 10], 0, [[[9, 0.9], [10, 0.6]], [[10, 1.0]], [[11, 1.0]]])
+    assert len(out.impossible) == 1 and "10, which max(0, p - q) excludes" in out.impossible[0]
+    assert not _with_q([8, 10], 0, [[[9, 0.9], [10, p10 * (1 + sampling.RATIO_SLACK / 2)]], [[10, 1.0]],
+                                    [[11, 1.0]]]).impossible
+
+
 def test_acceptance_does_not_flag_the_last_step_cut_short_by_max_tokens():
     """max_tokens = 3: the step accepted all three drafts, but only two tokens fit."""
     out = _replay([8, 9, 10], [[9, 10, 11]], [3])

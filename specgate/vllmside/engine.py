@@ -387,7 +387,7 @@ def _run_phase(llm: Any, phase: dict[str, Any], probes: dict[str, str]) -> dict[
             outputs = []
             for first in range(0, len(inputs), batch):
                 outputs += llm.generate(inputs[first:first + batch], params[first:first + batch], use_tqdm=False)
-            drafts = enginehooks.drafts_by_request()
+            drafts, draft_q = enginehooks.drafts_by_request(), enginehooks.draft_q_by_request()
             data["generate_s"] = round(time.monotonic() - started, 2)
             # before the repeat: the checks read the first pass
             data["counters"] = counters_since(before, spec_counters(llm))
@@ -397,7 +397,7 @@ def _run_phase(llm: Any, phase: dict[str, Any], probes: dict[str, str]) -> dict[
                 data["repeat_token_ids"] = [list(o.outputs[0].token_ids) for o in again]
         data.update(_outputs(outputs))
         if phase.get("record_drafts"):
-            data["drafts"] = drafts
+            data["drafts"], data["draft_q"] = drafts, draft_q
     except Exception as exc:
         data["error"] = _error_record(exc)
     return data

@@ -1,7 +1,9 @@
 """What the engine process adds to vLLM for the sampling checks, only for the engines that ask:
 
 - a draft recorder: the draft token ids the scheduler sends each request at each verification
-  step (the acceptance check needs the rejected drafts too, which no output carries);
+  step (the acceptance check needs the rejected drafts too, which no output carries), and with
+  probabilistic drafts the draft probabilities q the rejection sampler gets for them (acceptance
+  is min(1, p / q) and recovery draws from max(0, p - q));
 - runtime repairs of declared vLLM defects, so a build with the defect can still show what the
   checks catch. The one known: vLLM #55005, whose CPU `_expand_kernel_impl` hands the C++ op an
   int64 *copy* of a float32/int32 output, so sampled requests verify drafts with uninitialised
@@ -30,6 +32,8 @@ SENTINEL = -7
 _state: dict[str, Any] = {"record": False, "repair": None}
 _order: list[str] = []                                  # request ids, in the order first scheduled
 _drafts: dict[str, list[tuple[int, list[int]]]] = defaultdict(list)   # (tokens computed, drafts) per step
+_draft_q: dict[str, list[list[list[list[float]]] | None]] = defaultdict(list)   # q per step (None: no q)
+Q_FLOOR = 1e-6   # q entries kept per draft position: the drafted token's, and every one at least this
 _installed: set[str] = set()
 
 
@@ -49,6 +53,7 @@ def active(*, record: bool, repair: str | None) -> Iterator[None]:
     """Turn the hooks on for one engine; the recorder starts empty."""
     _order.clear()
     _drafts.clear()
+    _draft_q.clear()
     _state.update(record=record, repair=repair)
     try:
         yield
@@ -62,10 +67,18 @@ def drafts_by_request() -> list[list[tuple[int, list[int]]]]:
     return [_drafts.get(rid, []) for rid in _order]
 
 
+def draft_q_by_request() -> list[list[list[list[list[float]]] | None]]:
+    """Per request (as drafts_by_request), per verified step: None where the rejection sampler got
+    no draft probabilities (greedy drafts: q one-hot), else per draft position the [token, q]
+    pairs of the drafted token and of every token with q >= Q_FLOOR."""
+    return [_draft_q.get(rid, []) for rid in _order]
+
+
 def _install_recorder() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     execute = CPUModelRunner.execute_model
+    draft_probs = CPUModelRunner._get_spec_decode_draft_probs
 
     def recording(self, scheduler_output, *args, **kwargs):
         if _state["record"]:
@@ -75,10 +88,36 @@ def _install_recorder() -> None:
             for rid, tokens in scheduler_output.scheduled_spec_decode_tokens.items():
                 if tokens:
                     _drafts[rid].append((computed[rid], [int(t) for t in tokens]))
+                    _draft_q[rid].append(None)   # filled in below if the sampler gets q this step
         return execute(self, scheduler_output, *args, **kwargs)
 
+    def recording_q(self, spec_decode_metadata):
+        q = draft_probs(self, spec_decode_metadata)
+        if _state["record"] and q is not None:
+            rows = _sparse_rows(q, spec_decode_metadata.draft_token_ids)
+            start = 0
+            for rid, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens, strict=False):
+                if n:   # q's rows: the drafted positions of the requests with drafts, in batch order
+                    _draft_q[rid][-1] = rows[start:start + n]
+                    start += n
+        return q
+
     CPUModelRunner.execute_model = recording
+    CPUModelRunner._get_spec_decode_draft_probs = recording_q
     _installed.add("record")
+
+
+def _sparse_rows(q: Any, drafted: Any) -> list[list[list[float]]]:
+    """Each row of q ([drafted tokens, vocab]) as [token, q] pairs: its drafted token's and every
+    one of at least Q_FLOOR."""
+    import torch
+
+    keep = q >= Q_FLOOR
+    keep[torch.arange(len(drafted)), drafted.long()] = True
+    rows: list[list[list[float]]] = [[] for _ in range(len(drafted))]
+    for (row, token), value in zip(keep.nonzero().tolist(), q[keep].tolist(), strict=True):
+        rows[row].append([token, value])
+    return rows
 
 
 def expand_in_torch(output, input_val, cu_num_tokens, replace_from, replace_to):

@@ -350,15 +350,14 @@ def _make_context(tensors: dict[str, Any], body: str, qk_norm: bool, hidden: int
     return facts
 
 
-def _answer_head(hidden: int, spread: Sequence[float]) -> Any:
-    """The lm_head over a final residual sqrt(H) e(a) (a the answer): the identity (logit
-    sqrt(H) = 22.6 on a, 0 elsewhere), or with `spread` logit spread[j] on a + j, so sampling
-    at temperature T draws a + j with probability softmax(spread / T)[j] at every position
-    (the other tokens stay at 0, e^-22 below and less)."""
+def _answer_head(hidden: int, spread: Sequence[float], shift: int = 0) -> Any:
+    """The lm_head over a final residual sqrt(H) e(t): logit sqrt(H) = 22.6 on t + shift and 0
+    elsewhere, or with `spread` logit spread[j] on t + shift + j, so sampling at temperature T
+    draws t + shift + j with probability softmax(spread / T)[j] at every position (the other
+    tokens stay at 0, e^-22 below and less). A target's residual stands for its answer (shift 0)."""
     if not spread:
-        return _token_map(hidden)[:VOCAB]
-    head = sum(logit / math.sqrt(hidden) * _token_map(hidden, j)[:VOCAB] for j, logit in enumerate(spread))
-    return head
+        return _token_map(hidden, shift)[:VOCAB]
+    return sum(logit / math.sqrt(hidden) * _token_map(hidden, shift + j)[:VOCAB] for j, logit in enumerate(spread))
 
 
 # The design reads through layer 0 and zeroes every MLP output, so a second layer would add only
@@ -439,7 +438,7 @@ def build_eagle3_random(p: dict[str, Any]) -> Built:
     return Built(config, tensors, _draft_facts(config, "eagle3", EAGLE3_AUX_LAYERS, successor=False))
 
 
-@_kind("eagle3-successor", seed=0)
+@_kind("eagle3-successor", seed=0, spread=[], head_shift=1)
 def build_eagle3_successor(p: dict[str, Any]) -> Built:
     """Known-answer EAGLE-3 draft proposing successor chains: every draft step moves one token on.
 
@@ -454,6 +453,10 @@ def build_eagle3_successor(p: dict[str, Any]) -> Built:
       down = e(t + 1) / 64 - e(t) / (4 sqrt(V)) writes 32 e(t + 1) and cancels the residual.
     - The lm_head is the successor map, so logits peak at t + 2 and the fed-back hidden state
       32 e(t + 1) normalises to sqrt(V) e(t + 1) for the next step.
+    - `head_shift` 2 moves every draft one token on (t + 3: the first draft one past the answer).
+      With `spread` the head gives t + 1 + head_shift + j logit spread[j] (_answer_head), so
+      probabilistic drafts come from a spread q: acceptance is min(1, p / q), not p, and recovery's
+      max(0, p - q) is not the one-hot residual (the greedy drafts' mask).
     """
     import torch
 
@@ -466,7 +469,7 @@ def build_eagle3_successor(p: dict[str, Any]) -> Built:
     tensors["midlayer.mlp.gate_proj.weight"] = 4 * eye
     tensors["midlayer.mlp.up_proj.weight"] = eye.clone()
     tensors["midlayer.mlp.down_proj.weight"] = _token_map(HIDDEN, 1) / 64 - eye / (4 * math.sqrt(VOCAB))
-    tensors["lm_head.weight"] = _token_map(HIDDEN, 1)
+    tensors["lm_head.weight"] = _answer_head(HIDDEN, p["spread"], shift=p["head_shift"])
     return Built(config, tensors, _draft_facts(config, "eagle3", EAGLE3_CONTEXT_AUX_LAYERS, successor=True,
                                                target_layers=CONTEXT_LAYERS))
 

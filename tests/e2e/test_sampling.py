@@ -16,7 +16,7 @@ import pytest
 from test_spec_decode import _generate, declared_defect_fixed, expect_declared_defect
 
 from specgate.core import build
-from specgate.sessions.e2e import compare, report, runs, sampling
+from specgate.sessions.e2e import compare, planning, report, runs, sampling
 from specgate.vllmside import enginehooks, knownanswer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -140,7 +140,8 @@ def test_sampling_acceptance(sampling_case, plan, engines, row):
         steps = result.data["drafts"][i]          # [tokens computed before the step, its drafts]
         parts.append(sampling.acceptance(request.prompt, result.token_ids[i], [d for _, d in steps],
                                          metrics["per_step_accepted"], _design(result, request), run.k,
-                                         f"request {i}", starts=[at + 1 - len(request.prompt) for at, _ in steps]))
+                                         f"request {i}", starts=[at + 1 - len(request.prompt) for at, _ in steps],
+                                         draft_q=result.data["draft_q"][i]))
     test = sampling.acceptance_test(parts, run.k, alpha, tv)
     _record(row, "acceptance", test, run)
     assert sum(test["trials"]) > 0, "no draft was verified; the check would be vacuous"
@@ -209,16 +210,29 @@ def _continuations(result) -> list[tuple]:
 @pytest.mark.configs("sampling")
 def test_sampling_seeded_determinism(sampling_case, plan, engines, row):
     """The same per-request seeds give the same tokens when generated again, with and without
-    speculation."""
+    speculation. Where the drafts came from a spread q (probabilistic drafts, not one-hot), the
+    sampled requests with speculation fall under [e2e.sampling.unseeded_drafts] where declared:
+    an xfail while they differ, `fixed` once they reproduce."""
     result, run = _case(plan, engines, sampling_case, row)
     base = _generate(engines, plan, run.baseline(), row, measured=False)
-    changed = []
+    spread = any(1e-6 < q < 1 - 1e-6 for steps in result.data["draft_q"] for step in steps or []
+                 for position in step or [] for _, q in position)
+    must, unseeded = [], []
     for label, r in (("speculation", result), ("target alone", base)):
-        repeat = runs.repeated(r.requests)
-        changed += [f"{label}: {line}" for line in compare.token_mismatches(
-            [r.token_ids[i] for i in repeat], r.data["repeat_token_ids"], ("first generation", "second"))]
+        for i, again in zip(runs.repeated(r.requests), r.data["repeat_token_ids"], strict=True):
+            group = unseeded if spread and r is result and r.requests[i].role != "greedy" else must
+            group += [f"{label}: {line}" for line in compare.token_mismatches(
+                [r.token_ids[i]], [again], ("first generation", "second"), labels=[i])]
     row["repeated"] = len(runs.repeated(result.requests))
-    assert not changed, "seeded requests are not reproducible:\n" + "\n".join(changed)
+    assert not must, "seeded requests are not reproducible:\n" + "\n".join(must)
+    declared = plan.settings.sampling.unseeded_drafts
+    if not unseeded and spread and planning.declared_for(declared, build.version_under_test()):
+        declared_defect_fixed(row, "manifest.toml ([e2e.sampling.unseeded_drafts])")
+    elif unseeded:
+        if not planning.declared_for(declared, build.version_under_test()):
+            pytest.fail("seeded requests with drafts from a spread q are not reproducible:\n" + "\n".join(unseeded))
+        row.update(expected_failure=declared["reason"], defect_status="present")
+        pytest.xfail(f"{declared['reason']}:\n" + "\n".join(unseeded))
 
 
 @pytest.mark.configs("sampling_undrafted")

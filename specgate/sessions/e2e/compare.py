@@ -15,8 +15,9 @@ def acceptance_len(drafts: int, accepted: int) -> float:
 
 
 def token_mismatches(expected: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
-                     names: tuple[str, str] = ("expected", "got")) -> list[str]:
-    """One line per request whose token ids differ: where, and what each side has there."""
+                     names: tuple[str, str] = ("expected", "got"), labels: Sequence[int] | None = None) -> list[str]:
+    """One line per request whose token ids differ: where, and what each side has there.
+    `labels`: the requests' numbers in the lines (default: their places in these lists)."""
     lines = []
     if len(expected) != len(got):
         return [f"{len(expected)} {names[0]} sequences vs {len(got)} {names[1]}"]
@@ -25,7 +26,7 @@ def token_mismatches(expected: Sequence[Sequence[int]], got: Sequence[Sequence[i
         if a == b:
             continue
         at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        lines.append(f"request {i}: first difference at output position {at}: "
+        lines.append(f"request {labels[i] if labels else i}: first difference at output position {at}: "
                      f"{names[0]} {a[at:at + 5]}, {names[1]} {b[at:at + 5]} (lengths {len(a)} vs {len(b)})")
     return lines
 

@@ -41,6 +41,7 @@ class Sampling:
     text_max_tokens: int            # and tokens in each (one continuation is one draw)
     prompts: list[list[int]]        # cycled over the requests
     defect: dict[str, Any] | None   # {"issue", "reason", "versions" (a PEP 440 specifier), "repair", "evidence"}
+    unseeded_drafts: dict[str, Any] | None = None   # {"reason", "versions"}: seeds do not hold for spread drafts
 
     @classmethod
     def parse(cls, manifest: Manifest, table: dict[str, Any]) -> Sampling:
@@ -71,7 +72,7 @@ class Sampling:
             prompts = [*prompts, [*range(run[0], run[1]), run[0], run[0] + 1]]
         return cls(temperature=r.get("temperature", float, "a temperature > 0"),
                    top_k=r.get("top_k", int, "an integer >= 1"), **unit, **counts, prompts=[list(p) for p in prompts],
-                   defect=_sampling_defect(r))
+                   defect=_sampling_defect(r), unseeded_drafts=_unseeded_drafts(r))
 
 
 def _sampling_defect(r: _Reader) -> dict[str, Any] | None:
@@ -86,6 +87,15 @@ def _sampling_defect(r: _Reader) -> dict[str, Any] | None:
         raise d.fail("evidence", "a sampling case, <config id>/<draft sample method>", evidence)
     return {"issue": d.str("issue"), "reason": d.str("reason"), "versions": versions,
             "repair": d.str("repair", choices=("vllm-55005",)), "evidence": evidence}
+
+
+def _unseeded_drafts(r: _Reader) -> dict[str, Any] | None:
+    """[e2e.sampling.unseeded_drafts], if declared: the versions whose probabilistic drafts ignore
+    the request's seed, so a seeded request with drafts from a spread q does not reproduce."""
+    if not isinstance(r.data.get("unseeded_drafts"), dict):
+        return None
+    d = r.table("unseeded_drafts")
+    return {"reason": d.str("reason"), "versions": _specifier(d)}
 
 
 def declared_for(defect: dict[str, Any] | None, version: str | None) -> bool:
@@ -268,17 +278,24 @@ def _sampling(manifest: Manifest, config: E2EConfig, version: str | None) -> dic
         return None
     r = _Reader(manifest.path, raw, f"e2e.configs[{config.id}].sampling.")
     target, draft = r.str("target"), r.str("draft", default=None)
-    for key, name in (("target", target), ("draft", draft)):
+    # Probabilistic drafts on a drafter of their own: one whose q is spread (a one-hot q tests
+    # neither min(1, p / q) nor the residual max(0, p - q) beyond what greedy drafts do).
+    spread_draft = r.str("probabilistic_draft", default=None)
+    for key, name in (("target", target), ("draft", draft), ("probabilistic_draft", spread_draft)):
         if name is not None and name not in manifest.fixtures:
             raise r.fail(key, "a fixture declared under [fixtures]", name)
     methods = r.str_list("draft_sample_methods", default=("greedy",))
     if not methods or set(methods) - {"greedy", "probabilistic"}:
         raise r.fail("draft_sample_methods", "a non-empty list of greedy, probabilistic", list(methods))
+    if spread_draft is not None and "probabilistic" not in methods:
+        raise r.fail("probabilistic_draft", "a fixture only where draft_sample_methods has probabilistic", spread_draft)
     defect = r.get("known_defect", dict, "a table", None)
     if defect is not None:
         d = _Reader(manifest.path, defect, f"e2e.configs[{config.id}].sampling.known_defect.")
         defect = {**_declared_defect(d, version), "requests": d.str("requests", choices=("top_k",))}
-    return {"target": fixture_model(manifest, target), "draft": fixture_model(manifest, draft) if draft else None,
+    draft_model = fixture_model(manifest, draft) if draft else None
+    return {"target": fixture_model(manifest, target), "draft": draft_model,
+            "probabilistic_draft": fixture_model(manifest, spread_draft) if spread_draft else draft_model,
             "draft_sample_methods": list(methods), "known_defect": defect}
 
 
@@ -380,8 +397,8 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         data["known_answer"] = {**data["known_answer"], "target": _model(data["known_answer"]["target"]),
                                 "draft": _model(data["known_answer"]["draft"])}
     if data.get("sampling"):
-        data["sampling"] = {**data["sampling"], "target": _model(data["sampling"]["target"]),
-                            "draft": _model(data["sampling"]["draft"])}
+        data["sampling"] = {**data["sampling"], **{key: _model(data["sampling"][key])
+                                                   for key in ("target", "draft", "probabilistic_draft")}}
     return Config(**data)
 
 

@@ -104,7 +104,8 @@ def sampling_run(config: Config, draft_sample_method: str, repair: str | None, r
                                             if draft_sample_method != "greedy" else {})}
     if requests == SAMPLED and (s.get("known_defect") or {}).get("applies"):
         requests = TOP_P_ONLY
-    return Run(s["target"], s["draft"], config.method, config.k, tuple(sorted(speculative.items())),
+    draft = s["probabilistic_draft"] if draft_sample_method == "probabilistic" else s["draft"]
+    return Run(s["target"], draft, config.method, config.k, tuple(sorted(speculative.items())),
                requests=requests, repair=repair)
 
 

@@ -408,44 +408,73 @@ class Acceptance:
     impossible: list[str]       # accepted drafts the target gives probability < 1e-9, and other breaks
 
 
+# A ratio p / q this close to 1 may fall either side of it in the engine's arithmetic (its target
+# probabilities match the design to about 1e-5): neither a certain acceptance nor a clean recovery
+# is demanded there.
+RATIO_SLACK = 1e-3
+
+
 def acceptance(prompt: Sequence[int], tokens: Sequence[int], drafts: Sequence[Sequence[int]],
                per_step_accepted: Sequence[int], design: Design, k: int, label: str,
-               starts: Sequence[int] | None = None) -> Acceptance:
+               starts: Sequence[int] | None = None,
+               draft_q: Sequence[Sequence[Sequence[Sequence[float]]] | None] | None = None) -> Acceptance:
     """Replay one request: every verification step's drafts (as the scheduler sent them) against
     the tokens the request emitted. A draft d at a position with answer a is accepted with
-    probability p(d - a) (one-hot drafts). The emitted tokens must be the accepted drafts, then
-    one token that differs from the first rejected draft (recovery excludes it). `starts`: how
-    many tokens the request had emitted before each drafted step (None: every step after the
-    prefill drafted, as the model-based drafters do; ngram skips steps)."""
+    probability min(1, p(d - a) / q(d)): p(d - a) where the drafts are one-hot (greedy drafts, no
+    `draft_q` for the step), else with q the draft probabilities the rejection sampler got
+    (enginehooks.draft_q_by_request: [token, q] pairs per position). The emitted tokens must be
+    the accepted drafts, then one the residual max(0, p - q) can give: not the rejected draft (q
+    one-hot), nor any token q gives more than p; and a draft p gives more than q is never
+    rejected. `starts`: how many tokens the request had emitted before each drafted step (None:
+    every step after the prefill drafted, as the model-based drafters do; ngram skips steps)."""
     probs, other = design.probs()
+
+    def target(token: int, seq: list[int]) -> float:
+        j = (token - answer(seq, design.vocab)) % design.vocab
+        return probs[j] if j < len(probs) else other / (design.vocab - len(probs))   # one of the zero logits
+
     out = Acceptance([0] * k, [0] * k, [0.0] * k, [{} for _ in range(k)], [])
     emitted = 1                                              # the prefill step emits one token
     for step, (proposal, taken) in enumerate(zip(drafts, per_step_accepted, strict=False)):
         if starts is not None:
             emitted = starts[step]
         seq = list(prompt) + list(tokens[:emitted])
+        step_q = draft_q[step] if draft_q else None
+        q_rows = [dict((int(t), v) for t, v in row) for row in step_q] if step_q else None
         for position, draft in enumerate(proposal):
             if position > taken:
                 break
-            j = (draft - answer(seq + list(proposal[:position]), design.vocab)) % design.vocab
-            p = probs[j] if j < len(probs) else other / (design.vocab - len(probs))   # one of the zero logits
+            p = target(draft, seq + list(proposal[:position]))
+            ratio = p / q_rows[position][draft] if q_rows else p
+            accept = min(1.0, ratio)
             out.trials[position] += 1
-            out.expected[position] += p
-            if 1e-9 < p < 1:
-                out.tally[position].setdefault(p, [0, 0])[0] += 1
-                out.tally[position][p][1] += position < taken
+            out.expected[position] += accept
+            if 1e-9 < accept < 1:
+                out.tally[position].setdefault(accept, [0, 0])[0] += 1
+                out.tally[position][accept][1] += position < taken
             if position < taken:
                 out.accepted[position] += 1
-                if p < 1e-9:
+                if accept < 1e-9:
                     out.impossible.append(f"{label} step {step}: draft {draft} accepted at position {position}, "
-                                          f"where the target gives it probability {p:.1e}")
+                                          f"which a correct sampler accepts with probability {accept:.1e}")
+            elif ratio > 1 + RATIO_SLACK:
+                out.impossible.append(f"{label} step {step}: draft {draft} rejected at position {position}, "
+                                      f"where p / q = {ratio:.4f} makes it certain")
         step_tokens = list(tokens[emitted:emitted + taken + 1])    # shorter only where max_tokens ended it
         if step_tokens[:taken] != list(proposal[:len(step_tokens[:taken])]):
             out.impossible.append(f"{label} step {step}: emitted {step_tokens} but accepted {taken} of the drafts "
                                   f"{list(proposal)}")
-        elif taken < len(proposal) and len(step_tokens) > taken and step_tokens[taken] == proposal[taken]:
-            out.impossible.append(f"{label} step {step}: the token after {taken} accepted drafts is the rejected "
-                                  f"draft {proposal[taken]} itself")
+        elif taken < len(proposal) and len(step_tokens) > taken:
+            recovered, rejected = step_tokens[taken], proposal[taken]
+            if q_rows is None and recovered == rejected:
+                out.impossible.append(f"{label} step {step}: the token after {taken} accepted drafts is the rejected "
+                                      f"draft {rejected} itself")
+            elif q_rows is not None:
+                p = target(recovered, seq + list(proposal[:taken]))
+                q = q_rows[taken].get(recovered, 0.0)
+                if q and p < q * (1 - RATIO_SLACK):
+                    out.impossible.append(f"{label} step {step}: the token after {taken} accepted drafts is "
+                                          f"{recovered}, which max(0, p - q) excludes (p {p:.4f}, q {q:.4f})")
         emitted += len(step_tokens)
     return out
 
