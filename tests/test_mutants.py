@@ -45,6 +45,7 @@ PATCHED = {   # mutant -> (module, attribute path) it replaces
     "uniform-constant": ("vllm.v1.sample.rejection_sampler", "generate_uniform_probs"),
     "draft-target-swapped": ("vllm.utils.cpu_triton_utils", "_rejection_random_sample_kernel_impl"),
     "recovered-from-target": ("vllm.utils.cpu_triton_utils", "_sample_recovered_tokens_kernel_impl"),
+    "recovered-as-one-hot": ("vllm.utils.cpu_triton_utils", "_sample_recovered_tokens_kernel_impl"),
     "rejected-draft-not-excluded": ("vllm.utils.cpu_triton_utils", "_sample_recovered_tokens_kernel_impl"),
     "bonus-argmax": ("vllm.v1.sample.sampler", "Sampler.forward"),
     "temperature-not-applied": ("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints"),
@@ -167,6 +168,7 @@ torch.manual_seed(0)
 V, R, D = 8, 8, 3                                                   # vocab, requests, drafts per request
 DRAFTS = torch.tensor([1, 2, 3] * R, dtype=torch.int32)
 ONE_HOT = torch.nn.functional.one_hot(DRAFTS.long(), V).float()     # a drafter sure of its drafts
+SPREAD = 0.5 * ONE_HOT + 0.5 * (1 - ONE_HOT) / (V - 1)              # half on the draft, half spread
 CU = torch.arange(1, R + 1, dtype=torch.int32) * D
 
 
@@ -265,6 +267,7 @@ CASES = {
     "draft-target-swapped": lambda: {
         "probabilistic": fired(lambda: verify(0.01, ONE_HOT)), "no_draft_probs": fired(lambda: verify(0.01, None))},
     "recovered-from-target": RECOVERY,
+    "recovered-as-one-hot": lambda: {**RECOVERY(), "spread": fired(lambda: recovered_drafts(SPREAD))},
     "rejected-draft-not-excluded": RECOVERY,
     "bonus-argmax": lambda: {"bonus": fired(lambda: bonus(True)), "not_bonus": fired(lambda: bonus(False))},
     "temperature-not-applied": CONSTRAINTS,
@@ -357,6 +360,16 @@ def test_recovered_from_target_can_return_the_rejected_draft_only_with_draft_pro
     base, mutant = sampling["recovered-from-target"]["base"], sampling["recovered-from-target"]["mutant"]
     assert base["probabilistic"]["out"] == 0          # max(0, p - q) is 0 at a one-hot draft
     assert mutant["probabilistic"]["out"] > 0 and mutant["probabilistic"]["fired"] == 1
+    assert mutant["no_draft_probs"] == base["no_draft_probs"] == {"out": 0, "fired": 0}
+
+
+@pytest.mark.vllm
+def test_recovered_as_one_hot_differs_only_where_q_is_spread(sampling):
+    base, mutant = sampling["recovered-as-one-hot"]["base"], sampling["recovered-as-one-hot"]["mutant"]
+    # p(draft) = 0.9 against q(draft) = 0.5: max(0, p - q) is the draft alone at all 24 positions;
+    # recovered as if q were one-hot, the draft is excluded.
+    assert base["spread"]["out"] == 24 and mutant["spread"] == {"out": 0, "fired": 1}
+    assert mutant["probabilistic"]["out"] == base["probabilistic"]["out"] == 0    # one-hot q: no difference
     assert mutant["no_draft_probs"] == base["no_draft_probs"] == {"out": 0, "fired": 0}
 
 

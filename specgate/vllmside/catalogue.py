@@ -338,6 +338,14 @@ def _recover_from_target(arguments: dict[str, Any]) -> bool:
     return True
 
 
+def _recover_as_one_hot(arguments: dict[str, Any]) -> bool:
+    """Probabilistic drafts recovered as greedy ones are: p without the draft, not max(0, p - q)."""
+    if arguments["draft_probs"] is None or arguments.get("NO_DRAFT_PROBS"):
+        return False
+    arguments["NO_DRAFT_PROBS"] = True
+    return True
+
+
 def _keep_rejected_draft(arguments: dict[str, Any]) -> bool:
     """Drafts without probabilities: recovery from p with the draft no longer masked out."""
     if arguments["draft_probs"] is not None:
@@ -487,6 +495,15 @@ CATALOGUE = (
            "draft_probs there (it is optional) over-samples the tokens the drafter already proposed",
            _sampling_mutant(lambda: _around_cpu_kernel("_sample_recovered_tokens_kernel_impl",
                                                        _recover_from_target)),
+           (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN), SAMPLING_CHECKS),
+    Mutant("recovered-as-one-hot",
+           "with draft probabilities, a rejected draft's replacement is drawn from p without the draft, "
+           "as for greedy drafts, not from max(0, p - q)",
+           "NO_DRAFT_PROBS is set from whether the batch carries draft probabilities; a flag taken from the "
+           "drafting method's default (greedy) or left over from an earlier batch recovers as if q were "
+           "one-hot, which only a spread q tells apart",
+           _sampling_mutant(lambda: _around_cpu_kernel("_sample_recovered_tokens_kernel_impl",
+                                                       _recover_as_one_hot)),
            (f"{CPU_KERNELS}:_sample_recovered_tokens_kernel_impl", PROFILE_RUN), SAMPLING_CHECKS),
     Mutant("rejected-draft-not-excluded",
            "without draft probabilities, a rejected draft's replacement is drawn from p with the draft included",
