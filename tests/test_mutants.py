@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import hermetic
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from contract import VALIDATOR, entry_errors, read_valid
 
+from specgate.contract import processes
 from specgate.core.manifest import REPO_ROOT
 from specgate.sessions.mutants import MUTANT_VAR, session
 from specgate.vllmside import catalogue
@@ -579,3 +581,14 @@ def test_a_seed_set_count_below_one_is_one_line_of_bad_input(tmp_path, value):
     assert line.startswith("error: nox -s mutants -- argument --seed-sets:") and (value in line or "at least 1" in line)
     summary = read_valid(tmp_path / "artifacts" / "mutants" / "summary.json")
     assert summary["exit_code"] == 2 and summary["tests"] == []
+
+
+@pytest.mark.vllm
+def test_the_moved_probe_leaves_nothing_in_the_temp_dir_the_session_was_given(tmp_path, monkeypatch):
+    """Its vLLM import creates <temp dir>/torchinductor_<user>: in the step's private temp dir,
+    gone with the step (it was left in /tmp, 12-07)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with processes.session_tempdir():
+        assert session._moved([catalogue.MUTANTS["ngram-wrong-offset"]]) == {"ngram-wrong-offset": None}
+    assert list(tmp_path.iterdir()) == []

@@ -21,8 +21,10 @@ Exit codes: 0 every mutant killed, 1 a survivor or a failed control run, 2 bad i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -166,9 +168,11 @@ def _control_entry(seed_set: dict[str, Any]) -> dict[str, Any]:
 
 def _moved(chosen: list) -> dict[str, str | None]:
     """Per mutant, why the build under test lacks what it patches (None: it has it). Asked in
-    a process of its own, so this session never imports vLLM."""
+    a process of its own, so this session never imports vLLM; in the step's private temp dir,
+    where its vLLM import's <temp dir>/torchinductor_<user> goes with the step."""
     found = subprocess.run([sys.executable, "-m", "specgate.vllmside.catalogue", *(m.name for m in chosen)],
-                           capture_output=True, text=True, check=True)
+                           capture_output=True, text=True, check=True,
+                           env={**os.environ, "TMPDIR": tempfile.gettempdir()})
     return json.loads(found.stdout.strip().splitlines()[-1])
 
 
