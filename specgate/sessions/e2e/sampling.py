@@ -538,7 +538,11 @@ def _log_factors(p: float, scale: float, tv: float) -> tuple[float, float]:
 
 def _log_wealth(group: Sequence[tuple[float, int, int]], scale: float, tv: float) -> float:
     """log of the bet's martingale over the group's trials."""
-    return sum(hits * win + (n - hits) * loss for p, n, hits in group for win, loss in (_log_factors(p, scale, tv),))
+    total = 0.0
+    for p, n, hits in group:
+        win, loss = _log_factors(p, scale, tv)
+        total += hits * win + (n - hits) * loss
+    return total
 
 
 def _bet_power(group: Sequence[tuple[float, int, int]], scale: float, tv: float, shift: float,

@@ -21,7 +21,6 @@ Exit codes: 0 every mutant killed, 1 a survivor or a failed control run, 2 bad i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any
 from specgate.contract import artifacts, exitcodes
 from specgate.core import build, cli
 from specgate.core.manifest import ManifestError
-from specgate.sessions import lifecycle
+from specgate.sessions import lifecycle, pytestrun
 from specgate.sessions.e2e.planning import Settings, missing_models, plan_dict, resolve_config
 from specgate.sessions.e2e.session import run_tests
 from specgate.sessions.mutants import MUTANT_VAR, SESSION
@@ -172,7 +171,7 @@ def _moved(chosen: list) -> dict[str, str | None]:
     where its vLLM import's <temp dir>/torchinductor_<user> goes with the step."""
     found = subprocess.run([sys.executable, "-m", "specgate.vllmside.catalogue", *(m.name for m in chosen)],
                            capture_output=True, text=True, check=True,
-                           env={**os.environ, "TMPDIR": tempfile.gettempdir()})
+                           env=pytestrun.child_env({"TMPDIR": tempfile.gettempdir()}))
     return json.loads(found.stdout.strip().splitlines()[-1])
 
 
