@@ -18,7 +18,8 @@ any later engine in that process fails with "AttributeError: '_lib_fn_wrapper' o
 has no attribute 'get'". The caller orders ngram engines last. The host itself never
 starts an engine, so every child starts from a process no engine has touched; while a
 child runs, a thread of the host has vLLM inspect the model classes of the later engines
-(`inspect_in_background`).
+(`inspect_in_background`). run_engines may run several hosts at once (lanes), each taking
+the next engine no other has taken (`Claims`), each with its share of the threads.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import base64
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import pickle
@@ -344,6 +347,7 @@ def generate(llm_kwargs: dict[str, Any], phases: list[dict[str, Any]], *, probes
             result["compile_counters"] = {k: v - before[k] for k, v in compile_counters().items() if v != before[k]}
             result["runner"], result["compilation"] = runner(llm), compilation(llm)
             result["kernels"] = loaded_kernels()
+            result["threads"] = importlib.import_module("torch").get_num_threads()   # its lane's share
             for phase in phases:
                 data = _run_phase(llm, phase, probes or {})
                 if mutant_fired is not None:   # how often the injected fault changed something in this phase
@@ -443,15 +447,24 @@ LLVMLITE_DEFECT = ("llvmlite (numba) is loaded in this process, and vLLM 0.32's 
 
 
 def _generate_all(engines: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
-                  mutant_fired: Callable[[], int] | None = None) -> None:
-    """Engine child: engines one after another in this process, each one's result appended to
-    the result file as it ends. Stops early (the host forks a fresh child for the rest) after a
-    failed engine or phase, whose leftovers could spoil the next, or once llvmlite is loaded."""
-    stopped = None
-    for index, spec in enumerate(engines):
-        if index and "llvmlite" in sys.modules:
+                  mutant_fired: Callable[[], int] | None = None, claims: Claims | None = None,
+                  import_s: float | None = None) -> None:
+    """Engine child: engines one after another in this process, each taken (`claims`: the
+    engines no other lane has taken) and its result appended to the result file as it ends;
+    the first engine carries the host's import (`import_s`, its first child only). Stops early
+    (the host forks a fresh child for the rest) after a failed engine or phase, whose leftovers
+    could spoil the next, or once llvmlite is loaded."""
+    claims = claims or Claims(None, "")
+    stopped, started = None, 0
+    for spec in engines:
+        if started and "llvmlite" in sys.modules:
             stopped = LLVMLITE_DEFECT
             break
+        if not claims.take(spec["key"]):
+            continue
+        if import_s is not None and not started:
+            _append_record(result_path, {"host_import": {"engine": spec["key"], "s": import_s}})
+        started += 1
         result = generate(spec["llm"], spec["phases"], probes=answer.get("probes"), mutant_fired=mutant_fired)
         # What outlived the shutdown is module state: frozen, the next engine's many full
         # gc.collect calls (vLLM's, during start and shutdown: host_owns_gc_freeze) skip it.
@@ -464,7 +477,8 @@ def _generate_all(engines: list[dict[str, Any]], result_path: Path, answer: dict
 
 
 def _fork_engines(engines: list[dict[str, Any]], result_path: Path, answer: dict[str, Any],
-                  mutant_fired: Callable[[], int] | None) -> int:
+                  mutant_fired: Callable[[], int] | None, claims: Claims | None = None,
+                  import_s: float | None = None) -> int:
     """Host side: run `_generate_all` in a forked child and wait for it. Returns the child's
     exit status as a shell would (128 + signal when a signal ended it)."""
     pid = os.fork()
@@ -472,7 +486,7 @@ def _fork_engines(engines: list[dict[str, Any]], result_path: Path, answer: dict
         code = 1
         try:
             processes.die_with_parent()
-            _generate_all(engines, result_path, answer, mutant_fired)
+            _generate_all(engines, result_path, answer, mutant_fired, claims, import_s)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -519,62 +533,136 @@ class HostAnswer(NamedTuple):
     probes: dict[str, str]               # declared defect (its repair's name) -> enginehooks.probe_defects' verdict
 
 
+class Claims:
+    """Which host of a run_engines call starts which engine: a file per engine in `folder`, made
+    once (O_EXCL) by the engine child about to start it and holding its host's `owner`. The
+    lanes so share the engines as they free up, in the order given. No folder: every engine
+    is free (one host, run by hand)."""
+
+    def __init__(self, folder: Path | None, owner: str) -> None:
+        self.folder, self.owner = folder, owner
+
+    def _path(self, key: str) -> Path:
+        assert self.folder is not None
+        return self.folder / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def take(self, key: str) -> bool:
+        if self.folder is None:
+            return True
+        try:
+            fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(self.owner)
+        return True
+
+    def free(self, key: str) -> bool:
+        return self.folder is None or not self._path(key).exists()
+
+    def taken_by(self, key: str) -> str | None:
+        """The owner that took `key` (None: nobody, or its file is being written)."""
+        try:
+            return self._path(key).read_text(encoding="utf-8") or None
+        except FileNotFoundError:
+            return None
+
+
+HOST_MODULE = "specgate.vllmside.engine"   # what `python -m` runs as an engine host (main, below)
+
+
+class _Host:
+    """An engine host that run_engines started for one of its lanes."""
+
+    def __init__(self, lane: int, number: int, engines: list[dict[str, Any]], workdir: Path, env: dict[str, str],
+                 timeout_s: float) -> None:
+        self.lane, self.engines, self.timeout_s = lane, engines, timeout_s
+        self.number = number              # its place among the call's hosts: the engines' "process"
+        self.claims = Claims(workdir / "claims", f"{lane}/{number}")
+        request_path, self.result_path = workdir / f"request-{number}.json", workdir / f"result-{number}.json"
+        request_path.write_text(json.dumps(engines), encoding="utf-8")
+        self.started = time.monotonic()
+        # In our process group, so a Buildkite timeout or cancel (which signals the group) reaches it.
+        self.proc = subprocess.Popen([sys.executable, "-m", HOST_MODULE, str(request_path),
+                                      str(self.result_path), str(workdir / "claims"), self.claims.owner],
+                                     env=env, preexec_fn=processes.die_with_parent)
+
+    def taken(self) -> list[dict[str, Any]]:
+        return [e for e in self.engines if self.claims.taken_by(e["key"]) == self.claims.owner]
+
+    def running(self) -> bool:
+        """Whether it still runs within its time: timeout_s for each engine it took (or its import)."""
+        budget = self.timeout_s * max(1, len(self.taken()))
+        return self.proc.poll() is None and time.monotonic() - self.started < budget
+
+    def outcome(self) -> str | None:
+        """Why the host, now ended (one past its time is ended here), failed; None: it did not."""
+        if self.proc.poll() is None:
+            processes.end_process_tree(self.proc.pid)
+            self.proc.wait()
+            return f"{TIMED_OUT} ({self.timeout_s:.0f} s per engine) and was killed"
+        return f"engine process exited {self.proc.returncode}" if self.proc.returncode else None
+
+
 def run_engines(engines: list[dict[str, Any]], workdir: Path, *, env: dict[str, str],
-                timeout_s: float) -> HostAnswer:
-    """Run each engine {"key", "llm", "phases"} through `generate` in an engine host
-    (`python -m specgate.vllmside.engine`), one engine at a time. An engine may also carry
-    "models" ([architecture, name] pairs: it does not start where environment_block names one)
-    and "only_v2" (it does not start when v2_runner_blocker says why not); such an engine's
-    result is {"error": None, "blocked": why}. An engine that got no result (its engine child or
-    the host crashed or timed out) gets an error record, and a fresh host takes the rest. A
-    timeout (timeout_s per engine) ends the host and everything it started. The caller so never
-    imports vLLM: the host answers what needs it, the probes of declared defects among it."""
-    workdir.mkdir(parents=True, exist_ok=True)
+                timeout_s: float, lanes: int = 1) -> HostAnswer:
+    """Run each engine {"key", "llm", "phases"} through `generate` in engine hosts (`python -m
+    specgate.vllmside.engine`), `lanes` of them at once, one engine at a time each: a lane's
+    host takes the next engine no other has taken (Claims), so the lanes share the engines as
+    they free up and each starts its engines in the order given. Each lane gets an equal share
+    of the environment's OMP_NUM_THREADS (at least one: never more lanes than threads). An
+    engine may also carry "models" ([architecture, name] pairs: it does not start where
+    environment_block names one) and "only_v2" (it does not start when v2_runner_blocker says
+    why not); such an engine's result is {"error": None, "blocked": why}. An engine that got no
+    result (its engine child or the host crashed or timed out) gets an error record, and a fresh
+    host takes its lane on. A timeout (timeout_s per engine) ends the host and everything it
+    started. The caller so never imports vLLM: the host answers what needs it, the probes of
+    declared defects among it."""
+    (workdir / "claims").mkdir(parents=True, exist_ok=True)
+    threads = int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    count = max(1, min(lanes, threads, len(engines)))
+    lane_env = {**env, "OMP_NUM_THREADS": str(threads // count)} if count > 1 else env
     results: dict[str, dict[str, Any]] = {}
     v2_known, v2_blocker, probes = False, None, {}
-    pending = list(engines)
-    while pending:
-        attempt = len(list(workdir.glob("request-*.json")))
-        request_path, result_path = workdir / f"request-{attempt}.json", workdir / f"result-{attempt}.json"
-        request_path.write_text(json.dumps(pending), encoding="utf-8")
-        # In our process group, so a Buildkite timeout or cancel (which signals the group) reaches it.
-        proc = subprocess.Popen([sys.executable, "-m", "specgate.vllmside.engine", str(request_path), str(result_path)],
-                                env=env, preexec_fn=processes.die_with_parent)
-        why = None
-        try:
-            code = proc.wait(timeout=timeout_s * len(pending))
-            if code:
-                why = f"engine process exited {code}"
-        except subprocess.TimeoutExpired:
-            processes.end_process_tree(proc.pid)
-            proc.wait()
-            why = f"{TIMED_OUT} ({timeout_s:.0f} s per engine) and was killed"
-        answer = read_answer(result_path)
-        if "v2_blocker" in answer:
-            v2_known, v2_blocker, probes = True, answer["v2_blocker"], answer["probes"]
-        results.update({key: {**result, "process": attempt} for key, result in answer["results"].items()})
-        pending = [r for r in pending if r["key"] not in results]
-        if pending and why:  # the engine a child was running when it died gets the blame
-            results[pending[0]["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
-                                                    "traceback": "", "pickle": None}}
-            pending = pending[1:]
+    numbers, claims = itertools.count(), Claims(workdir / "claims", "")
+    running = [_Host(lane, next(numbers), engines, workdir, lane_env, timeout_s)
+               for lane in range(count if engines else 0)]
+    while running:
+        time.sleep(0.05)
+        for host in [h for h in running if not h.running()]:
+            running.remove(host)
+            why = host.outcome()
+            answer = read_answer(host.result_path)
+            if "v2_blocker" in answer and not v2_known:
+                v2_known, v2_blocker, probes = True, answer["v2_blocker"], answer["probes"]
+            results.update({key: {**result, "process": host.number} for key, result in answer["results"].items()})
+            left = [e for e in engines if e["key"] not in results]
+            if why:  # the engine the host was running when it died gets the blame (else the next free one)
+                blamed = next((e for e in host.taken() if e in left), None) or next(
+                    (e for e in left if host.claims.take(e["key"])), None)
+                if blamed:
+                    results[blamed["key"]] = {"error": {"type": EngineProcessError.__name__, "message": why,
+                                                        "traceback": "", "pickle": None}, "process": host.number}
+            if any(claims.free(e["key"]) for e in engines if e["key"] not in results):
+                running.append(_Host(host.lane, next(numbers), engines, workdir, lane_env, timeout_s))
     return HostAnswer(results, v2_known, v2_blocker, probes)
 
 
 def _fork_until_done(runs: list[dict[str, Any]], result_path: Path, answer: dict[str, Any], import_s: float,
-                     mutant_fired: Callable[[], int] | None) -> int:
-    """Host side: fork engine children until every run has a result; the first engine
-    started carries the import the host paid for all. Returns 0, or a dead child's status."""
-    first = [r for r in runs if r["key"] not in answer["results"]][:1]
-    if first:
-        _append_record(result_path, {"host_import": {"engine": first[0]["key"], "s": import_s}})
-    while pending := [r for r in runs if r["key"] not in answer["results"]]:
-        code = _fork_engines(pending, result_path, answer, mutant_fired)
+                     mutant_fired: Callable[[], int] | None, claims: Claims) -> int:
+    """Host side: fork engine children until no run is left that has no result and that no
+    other host took; the first engine started carries the import the host paid for all.
+    Returns 0, or a dead child's status."""
+    first: float | None = import_s
+    while pending := [r for r in runs if r["key"] not in answer["results"] and claims.free(r["key"])]:
+        code = _fork_engines(pending, result_path, answer, mutant_fired, claims, first)
         if code:
             return code
         done = read_answer(result_path)["results"]
-        if len(done) == len(answer["results"]):   # a child that ran nothing would be forked forever
-            raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")
+        if len(done) == len(answer["results"]) and any(claims.free(r["key"]) for r in pending):
+            raise EngineProcessError(f"an engine child ran none of {len(pending)} engine(s)")   # else forked forever
+        if len(done) > len(answer["results"]):
+            first = None
         answer["results"] = done
     _append_record(result_path, {"stopped": None})
     return 0
@@ -617,6 +705,7 @@ def main(argv: list[str]) -> int:
     result. A child that dies (not one whose engine failed: that is a result) ends the host
     with its status, and run_engines blames the engine it was running."""
     request_path, result_path = Path(argv[0]), Path(argv[1])
+    claims = Claims(Path(argv[2]), argv[3]) if len(argv) > 3 else Claims(None, "")
     runs = json.loads(request_path.read_text(encoding="utf-8"))
     started = time.monotonic()
     for module in HOST_IMPORTS:   # here, once: every child forked below inherits them
@@ -646,7 +735,7 @@ def main(argv: list[str]) -> int:
         catalogue.install(mutant)
         mutant_fired = catalogue.take_fired
     try:
-        return _fork_until_done(runs, result_path, answer, import_s, mutant_fired)
+        return _fork_until_done(runs, result_path, answer, import_s, mutant_fired, claims)
     finally:
         inspection.join()   # its vLLM subprocess must not outlive the host
 

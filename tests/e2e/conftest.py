@@ -188,9 +188,10 @@ class Result:
 
 
 class Engines:
-    """Starts every engine the selected tests need once, one at a time: when a test first needs
-    a phase, every pending engine runs with all its pending phases, in as few processes as
-    possible (specgate.vllmside.engine.run_engines), in specgate.sessions.e2e.runs.process_order."""
+    """Starts every engine the selected tests need once: when a test first needs a phase, every
+    pending engine runs with all its pending phases, in as few processes as possible, in lanes
+    that run at once (specgate.vllmside.engine.run_engines, runs.engine_lanes), each lane's engines
+    in specgate.sessions.e2e.runs.process_order."""
 
     def __init__(self, settings: planning.Settings, recorder: report.Recorder, workdir: Path,
                  pending: list[runs.Run], expected_to_fail: set[str], only_v2: set[str]) -> None:
@@ -266,7 +267,8 @@ class Engines:
             requests.append(request)
         env = pytestrun.child_env(self.settings.child_env())
         answer = engine.run_engines(requests, self.workdir / f"group-{len(self.results) + len(self.blocked)}",
-                                    env=env, timeout_s=self.settings.engine_timeout_s)
+                                    env=env, timeout_s=self.settings.engine_timeout_s,
+                                    lanes=runs.engine_lanes(engines, self.settings))
         if not self.answered and answer.v2_known:
             self.answered, self._v2_blocker, self._probes = True, answer.v2_blocker, answer.probes
         for phases in engines:

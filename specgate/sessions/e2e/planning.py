@@ -118,6 +118,7 @@ class Settings:
     num_logprobs: int
     in_process_engine: bool
     engine_timeout_s: int
+    engine_lanes: int
     prompts: tuple[str, ...]
     known_answer_prompts: tuple[tuple[int, ...], ...]
     known_answer_max_tokens: int
@@ -156,6 +157,7 @@ class Settings:
             num_logprobs=positive("num_logprobs"),
             in_process_engine=r.get("in_process_engine", bool, "true or false"),
             engine_timeout_s=positive("engine_timeout_s"),
+            engine_lanes=positive("engine_lanes"),
             prompts=prompts,
             known_answer_prompts=tuple(tuple(p) for p in known),
             known_answer_max_tokens=positive("known_answer_max_tokens"),

@@ -95,8 +95,8 @@ def engine_record(phases: Sequence[Run], data: dict[str, Any]) -> dict[str, Any]
     ran (requests, the repair applied, generate time, what speculation counted, its error)."""
     ran = data.get("phases") or {}
     return {"key": phases[0].engine_key, **run_identity(phases[0]), "error": _first_line(data["error"]),
-            **{k: data.get(k) for k in ("runner", "compilation", "kernels", "compile_counters", "process", "import_s",
-                                        "init_s", "shutdown_s")},
+            **{k: data.get(k) for k in ("runner", "compilation", "kernels", "compile_counters", "process", "threads",
+                                        "import_s", "init_s", "shutdown_s")},
             "generate_s": round(sum(p.get("generate_s") or 0 for p in ran.values()), 2),
             "phases": [{"key": run.key, "requests": run.requests or "greedy", "ran": run.key in ran,
                         **{k: ran.get(run.key, {}).get(k) for k in ("repair", "generate_s", "counters")},
@@ -152,10 +152,10 @@ def format_report(rows: Sequence[dict[str, Any]], engines: Sequence[dict[str, An
         lines += ["", "declared defects that no longer reproduce (remove their declarations):", *fixed]
     if engines:
         lines += ["", "engine starts:", artifacts.format_rows(
-            ["engine", "process", "runner", "compile", "import_s", "start_s", "phases", "generate_s", "shutdown_s",
-             "checks", "error"],
-            [[e["key"], e.get("process"), e.get("runner"), _compile(e), e.get("import_s"), e.get("init_s"),
-              len(e["phases"]), e.get("generate_s"), e.get("shutdown_s"),
+            ["engine", "process", "threads", "runner", "compile", "import_s", "start_s", "phases", "generate_s",
+             "shutdown_s", "checks", "error"],
+            [[e["key"], e.get("process"), e.get("threads"), e.get("runner"), _compile(e), e.get("import_s"),
+              e.get("init_s"), len(e["phases"]), e.get("generate_s"), e.get("shutdown_s"),
               len(e.get("checks") or ()), e.get("error") or next((p["error"] for p in e["phases"] if p["error"]), None)]
              for e in engines])]
         starts = [e["init_s"] for e in engines if e.get("init_s") is not None]

@@ -222,6 +222,13 @@ def process_order(runs: Iterable[Run], expected_to_fail: Set[str] = frozenset())
                                                phases[0].engine_key))
 
 
+def engine_lanes(engines: list[list[Run]], settings: Settings) -> int:
+    """How many engine hosts run these engines at once: [e2e] engine_lanes where every engine
+    loads fixtures, else one (a hub checkpoint may want the machine's whole memory)."""
+    tiny = all(m.source == "fixture" for phases in engines for m in (phases[0].target, phases[0].draft) if m)
+    return settings.engine_lanes if tiny else 1
+
+
 def models(run: Run) -> list[list[str]]:
     """[architecture, name] of the run's checkpoints, for specgate.vllmside.engine.environment_block."""
     return [[m.architecture, m.name] for m in (run.target, run.draft) if m is not None and m.architecture]
