@@ -16,7 +16,7 @@ from pathlib import Path
 from junitparser import Error, Failure, JUnitXml, Skipped
 
 from specgate.contract import artifacts, processes
-from specgate.core.secrets import redact
+from specgate.core.secrets import redact, redactor
 
 # Buildkite Test Engine's collector (package buildkite-test-collector), by its pytest11 entry point.
 TEST_ENGINE_PLUGIN = "buildkite-test-collector"
@@ -79,9 +79,10 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], junit: Path, log: P
                           errors="replace", preexec_fn=processes.die_with_parent) as proc:
         assert proc.stdout is not None
         sink = log.open("w", encoding="utf-8") if log else None
+        scrub = redactor()
         try:
             for line in proc.stdout:
-                line = redact(line)
+                line = scrub(line)
                 sys.stdout.write(line)
                 if sink:
                     sink.write(line)
