@@ -71,3 +71,12 @@ def test_a_host_past_its_time_is_ended_and_blamed_and_leaves_no_process(tmp_path
     assert message == f"{engine.TIMED_OUT} (3 s per engine) and was killed"
     assert answer.results["b"]["error"] is None and answer.results["c"]["error"] is None
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_an_engine_is_taken_once_and_its_claim_names_who_took_it(tmp_path):
+    first, second = engine.Claims(tmp_path, "0/0"), engine.Claims(tmp_path, "1/1")
+    assert first.free("x") and first.taken_by("x") is None
+    assert first.take("x") and not second.take("x") and not second.free("x")
+    assert second.taken_by("x") == "0/0" and second.take("y") and first.taken_by("y") == "1/1"
+    assert len(list(tmp_path.iterdir())) == 2   # the claims alone, nothing left of making them
+    assert engine.Claims(None, "").take("x")    # a host run by hand takes everything

@@ -535,7 +535,8 @@ class HostAnswer(NamedTuple):
 
 class Claims:
     """Which host of a run_engines call starts which engine: a file per engine in `folder`, made
-    once (O_EXCL) by the engine child about to start it and holding its host's `owner`. The
+    once (a hard link, which fails where it exists) by the engine child about to start it and
+    holding its host's `owner`. The
     lanes so share the engines as they free up, in the order given. No folder: every engine
     is free (one host, run by hand)."""
 
@@ -549,21 +550,25 @@ class Claims:
     def take(self, key: str) -> bool:
         if self.folder is None:
             return True
+        # Written first, then linked into place (which fails if the claim exists): a claim is
+        # never seen without its owner, even from a process killed while making it.
+        written = self.folder / f".{os.getpid()}-{self._path(key).name}"
+        written.write_text(self.owner, encoding="utf-8")
         try:
-            fd = os.open(self._path(key), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            os.link(written, self._path(key))
+            return True
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(self.owner)
-        return True
+        finally:
+            written.unlink()
 
     def free(self, key: str) -> bool:
         return self.folder is None or not self._path(key).exists()
 
     def taken_by(self, key: str) -> str | None:
-        """The owner that took `key` (None: nobody, or its file is being written)."""
+        """The owner that took `key` (None: nobody has)."""
         try:
-            return self._path(key).read_text(encoding="utf-8") or None
+            return self._path(key).read_text(encoding="utf-8")
         except FileNotFoundError:
             return None
 
