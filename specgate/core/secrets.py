@@ -107,7 +107,8 @@ def redact_data(data: Any, environ: Mapping[str, str] | None = None) -> Any:
 
 def masked_env(env: Mapping[str, str | None]) -> dict[str, str | None]:
     """An environment for display: credentials as ***, URLs without their user:password."""
-    return {name: (MASK if holds_credential(name, value) else redact(value) if value else value)
+    scrub = redactor()
+    return {name: (MASK if holds_credential(name, value) else scrub(value) if value else value)
             for name, value in env.items()}
 
 

@@ -536,9 +536,8 @@ class HostAnswer(NamedTuple):
 class Claims:
     """Which host of a run_engines call starts which engine: a file per engine in `folder`, made
     once (a hard link, which fails where it exists) by the engine child about to start it and
-    holding its host's `owner`. The
-    lanes so share the engines as they free up, in the order given. No folder: every engine
-    is free (one host, run by hand)."""
+    holding its host's `owner`. The lanes so share the engines as they free up, in the order
+    given. No folder: every engine is free (one host, run by hand)."""
 
     def __init__(self, folder: Path | None, owner: str) -> None:
         self.folder, self.owner = folder, owner
@@ -597,8 +596,10 @@ class _Host:
 
     def running(self) -> bool:
         """Whether it still runs within its time: timeout_s for each engine it took (or its import)."""
-        budget = self.timeout_s * max(1, len(self.taken()))
-        return self.proc.poll() is None and time.monotonic() - self.started < budget
+        if self.proc.poll() is not None:
+            return False
+        elapsed = time.monotonic() - self.started   # the claims are read only once past one engine's time
+        return elapsed < self.timeout_s or elapsed < self.timeout_s * len(self.taken())
 
     def outcome(self) -> str | None:
         """Why the host, now ended (one past its time is ended here), failed; None: it did not."""
