@@ -101,9 +101,14 @@ def test_entry_is_created_under_the_lock(cache_dir):
     key = compilecache.cache_key(compilecache.factors())
     lock = FileLock(str(cache_dir / f"{key}.lock"))
     with lock:
-        child = subprocess.Popen([sys.executable, "-c", PRINT_ENV], env=_child_env(cache_dir),
-                                 stdout=subprocess.PIPE, text=True)
-        time.sleep(3)
+        # The child says when its next step is entry()'s lock, so the wait below is all spent at the lock.
+        code = ("import json, sys; from specgate.vllmside import compilecache as c; values = c.factors(); "
+                "print('locking', file=sys.stderr, flush=True); "
+                "print(json.dumps({'VLLM_CACHE_ROOT': str(c.entry(values) / 'vllm')}))")
+        child = subprocess.Popen([sys.executable, "-c", code], env=_child_env(cache_dir),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stderr.readline().strip() == "locking"
+        time.sleep(1)   # twenty of filelock's tries at its 50 ms poll
         assert child.poll() is None, "the child went ahead while another process held the lock"
         assert not (cache_dir / key).exists()
     out, _ = child.communicate(timeout=60)

@@ -56,9 +56,10 @@ def step(ctx):
         print("ready", flush=True)
         time.sleep(300)
     if what == "stubborn":   # a child that outlasts SIGTERM, so ending the tree takes its grace period
-        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                          "print('child ready', flush=True); time.sleep(300)"])
-        time.sleep(1)
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); print('child ready', flush=True); time.sleep(300)"],
+                                 stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()   # its SIGTERM is ignored from here on
         print("ready", flush=True)
         time.sleep(300)
 

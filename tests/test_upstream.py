@@ -349,20 +349,23 @@ FETCH = "import sys; from specgate.vllmside import upstream; upstream.fetch_tree
 
 
 def test_sigkill_mid_extract_leaves_no_tree_and_the_next_fetch_cleans_up(cache, index):
-    """A fetch SIGKILLed while it extracts (a big sdist: 5,000 files) leaves only its temporary
-    folder; the next fetch removes it and makes a whole tree."""
-    served = index(filler=5_000)
+    """A fetch SIGKILLed while it extracts (1,500 filler files, the sdist's last) leaves only its
+    temporary folder; the next fetch removes it and makes a whole tree."""
+    served = index(filler=1_500)
     env = {**os.environ, "SPECGATE_CACHE_DIR": str(cache.parent), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", FETCH, served.url], env=env, cwd=REPO)
     deadline = time.monotonic() + 120
-    while not any(len(list(tree.glob("tests/filler/*"))) > 100 for tree in cache.glob(".vllm-9.9.9-*/tree")):
+    # Killed as soon as the fillers begin: the check is cheap, so the kill lands while most are to come.
+    while not list(cache.glob(".vllm-9.9.9-*/tree/tests/filler")):
         assert proc.poll() is None and time.monotonic() < deadline, "the fetch ended before it was killed"
-        time.sleep(0.02)
+        time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert not (cache / "vllm-9.9.9").exists() and list(cache.glob(".vllm-9.9.9-*"))
+    left = [tree for tree in cache.glob(".vllm-9.9.9-*/tree")]
+    assert left and len(list((left[0] / "tests" / "filler").iterdir())) < 1_500, "killed after the extraction"
     root = upstream.fetch_tree("9.9.9", served.url)
-    assert upstream.damage(root) is None and len(list((root / "tests" / "filler").iterdir())) == 5_000
+    assert upstream.damage(root) is None and len(list((root / "tests" / "filler").iterdir())) == 1_500
     assert sorted(p.name for p in cache.iterdir()) == ["vllm-9.9.9", "vllm-9.9.9.lock"]
 
 
