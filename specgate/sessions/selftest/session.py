@@ -9,10 +9,27 @@ from specgate.contract import artifacts, exitcodes
 from specgate.core.manifest import REPO_ROOT
 from specgate.sessions import lifecycle, pytestrun
 
-# Which tests each session runs (its session name comes from noxsupport, as SPECGATE_SESSION).
-# `-m` replaces pyproject's `-m 'not e2e'`, so each tier says it again.
-TIERS = {"tests": ["--ignore=tests/ci"], "ci_jobs": ["tests/ci", "-m", "not e2e and not soak"],
-         "ci_soak": ["tests/ci", "-m", "soak and not e2e"]}
+# Which tests each session runs (its session name comes from noxsupport, as SPECGATE_SESSION):
+# where, and the marker expression a user's `-m` narrows but never widens (pytest keeps only
+# the last -m, so `-m vllm` alone would run the e2e tests without the engines they need).
+TIERS = {"tests": (["--ignore=tests/ci"], "not e2e"), "ci_jobs": (["tests/ci"], "not e2e and not soak"),
+         "ci_soak": (["tests/ci"], "soak and not e2e")}
+
+
+def tier_args(session: str, pytest_args: list[str]) -> list[str]:
+    """The session's tier, its marker expression and-ed with the last `-m` among pytest_args."""
+    paths, markers = TIERS[session]
+    rest, wanted = [], None
+    args = iter(pytest_args)
+    for arg in args:
+        if arg == "-m":
+            wanted = next(args, "")
+        elif arg.startswith("-m") and not arg.startswith("-m-"):
+            wanted = arg[2:].removeprefix("=")
+        else:
+            rest.append(arg)
+    expression = f"({markers}) and ({wanted})" if wanted else markers
+    return [*paths, "-m", expression, *rest]
 
 
 def step(ctx: lifecycle.Context) -> int:
@@ -22,7 +39,7 @@ def step(ctx: lifecycle.Context) -> int:
     # its order stay as written); `-n 0` after `--` turns that off. Files go out in collection
     # order, not xdist's default of most tests first.
     code, wall_s = pytestrun.run_pytest_timed(["-rA", "-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder",
-                                               *TIERS[ctx.session], *ctx.args.pytest_args], junit,
+                                               *tier_args(ctx.session, ctx.args.pytest_args)], junit,
                                               cwd=REPO_ROOT, env=pytestrun.child_env(),
                                               log=junit.with_name("pytest.log"))
     ctx.record["pytest_wall_s"] = round(wall_s, 2)
