@@ -6,7 +6,7 @@ or `vllm_global`, which fail with one message naming the path and the vLLM
 version when vLLM moves it. vLLM is imported lazily: the session module imports
 specgate without paying for vLLM.
 
-Engines run in an engine host (`python -m specgate.vllmside.engine REQUEST RESULT`, see
+Engines run in an engine host (`python -m specgate.vllmside.engine REQUEST RESULT [CLAIMS OWNER]`, see
 `run_engines`): it imports vLLM and torch once, then forks a child that runs the engines
 one at a time, each started, used, shut down and freed before the next, the engine core
 in-process (no further spawns). A child runs several engines while that is safe and

@@ -9,8 +9,9 @@
 3. summary.json merges both: one test entry per test with what it measured, plus one
    row per engine start with its time.
 
-Exit codes: 0 passed (every skip names its reason), 1 a failure, 2 bad input,
-75 --model-source hub and a required checkpoint is missing.
+Exit codes: 0 passed (every skip names its reason), 1 a failure, 2 bad input, 75 what the
+run needs could not be had: a required checkpoint (--model-source hub), the Buildkite
+history, or upstream's sdist (--upstream-e2e).
 """
 
 from __future__ import annotations
