@@ -44,14 +44,13 @@ def ci_soak(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["check"])
 def lint(session: nox.Session) -> None:
     """Lint the repository with ruff, and specgate/'s layers with import-linter (both in pyproject.toml)."""
-    static_check(session, "ruff", "check", ".")
-    static_check(session, "lint-imports")
+    static_check(session, ("ruff", "check", "."), ("lint-imports",))
 
 
 @nox.session(python=PYTHON, tags=["check"])
 def typecheck(session: nox.Session) -> None:
     """Type-check specgate/ with mypy (settings in pyproject.toml)."""
-    static_check(session, "mypy")
+    static_check(session, ("mypy",))
 
 
 @nox.session(python=PYTHON, tags=["gate"])

