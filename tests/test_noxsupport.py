@@ -76,3 +76,14 @@ def test_a_session_without_a_session_process_still_writes_its_summary_and_closin
     lines = [line for line in proc.stdout.splitlines() if line.startswith("== ")]
     assert [line.split(":")[0] for line in lines] == ["== lint", "== typecheck"], proc.stdout
     assert "-> exit 1 (failure)" in lines[0] and "-> exit 0 (pass)" in lines[1]
+
+
+def test_install_only_records_nothing(tmp_path):
+    """`nox --install-only` runs no command, so it leaves no summary saying a check passed."""
+    noxfile = tmp_path / "noxfile.py"
+    noxfile.write_text(RECORDED)
+    env = {**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")}
+    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(noxfile), "--install-only", "-s", "lint"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "artifacts" / "lint").exists() and "== lint" not in proc.stdout

@@ -131,6 +131,9 @@ def recorded(session: nox.Session, work: Callable[[], None]) -> None:
     the same contract: a `running` summary first, the final one with its exit code, one closing
     line. A command that fails is the session's failure; anything else is recorded as a crash
     (or a kill) and raised on."""
+    if session.run(sys.executable, "-c", "pass", silent=True, external=True) is None:   # nox --install-only
+        work()   # its installs happen, its commands do not: nothing to record
+        return
     _new_run_id()
     record = summary.begin(session.name)
     SESSION_CODES[session.name] = code = exitcodes.FAILURE   # until the work is done
