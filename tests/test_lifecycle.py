@@ -109,6 +109,17 @@ def test_a_pass_records_the_contract(run, tmp_path):
     assert "== tests: finished, 1 passed (executed 1)" in out and "-> exit 0 (pass)" in out
 
 
+def test_what_an_earlier_run_left_is_not_shown_as_this_runs(run, tmp_path):
+    """An earlier run's JUnit file, log or folder (upstream's stand-in run, a mutant not chosen
+    this time) would be uploaded beside this run's summary as if this run had written it."""
+    earlier = tmp_path / "artifacts" / "tests"
+    (earlier / "upstream-hub-cache" / "models--org--m").mkdir(parents=True)
+    (earlier / "junit-upstream.xml").write_text("<testsuite failures='1'/>")
+    finished(run("pass"))
+    assert sorted(p.name for p in earlier.iterdir()) == ["summary.json"]
+    assert record(tmp_path)["status"] == "finished"
+
+
 def test_an_empty_run_is_a_failure_not_a_pass(run, tmp_path):
     code, out = finished(run("empty"))
     data = record(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,23 @@ def artifacts_dir(session: str) -> Path:
     path = root / session
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def clear_earlier_outputs(session: str, keep: str = "summary.json") -> list[Path]:
+    """Remove what earlier runs left in the session's folder, `keep` (this run's summary,
+    already begun) aside: a JUnit file, log or chart an earlier run wrote and this one does not
+    (upstream's stand-in run, a mutant not chosen this time, floors not asked for) must not be
+    uploaded as this run's."""
+    removed = []
+    for entry in artifacts_dir(session).iterdir():
+        if entry.name == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
 
 
 def write_atomic(path: Path, text: str, *, scrub: bool = True) -> None:

@@ -75,6 +75,7 @@ def _ignore_stops() -> None:
 
 def run(session: str, parser: cli.Parser, step: Step, argv: Sequence[str] | None = None) -> int:
     record = summary.begin(session)
+    artifacts.clear_earlier_outputs(session)
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     status, error, code = "finished", None, exitcodes.FAILURE
     ctx: Context | None = None

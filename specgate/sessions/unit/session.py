@@ -328,10 +328,7 @@ def select_files(root: Path, manifest: Manifest, pinned_only: bool) -> tuple[lis
 
 def step(ctx: lifecycle.Context) -> int:
     args, manifest, record = ctx.args, ctx.manifest, ctx.record
-    out = artifacts.artifacts_dir(SESSION)
-    for stale in (*out.glob("junit-attempt*.xml"), *out.glob("pytest-attempt*.log"), *out.glob("model-redirect-*.json"),
-                  *out.glob("redirects.json"), *out.glob("junit.xml")):
-        stale.unlink()  # a previous run's attempts must not pass for this run's
+    out = artifacts.artifacts_dir(SESSION)   # an earlier run's attempts are gone (lifecycle.run)
     base_env: dict[str, str | None] = {**envpin.session_env(manifest, SESSION), "SPECGATE_SESSION": SESSION}
     record.update({"upstream": None, "files": [], "files_run": [], "files_source": None, "drift": None, "notes": [],
                    "redirects": [], "runs": []})
