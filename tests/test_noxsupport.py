@@ -60,14 +60,18 @@ def typecheck(session):
 '''
 
 
+def _nox_recorded(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """nox over RECORDED's sessions, their artifacts under tmp_path."""
+    noxfile = tmp_path / "noxfile.py"
+    noxfile.write_text(RECORDED)
+    return subprocess.run([sys.executable, "-m", "nox", "-f", str(noxfile), *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")})
+
+
 def test_a_session_without_a_session_process_still_writes_its_summary_and_closing_line(tmp_path):
     """lint, typecheck and lock run only tools, but each leaves a summary of this run and ends
     with the one closing line, like every other session."""
-    noxfile = tmp_path / "noxfile.py"
-    noxfile.write_text(RECORDED)
-    env = {**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")}
-    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(noxfile), "-s", "lint", "typecheck"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = _nox_recorded(tmp_path, "-s", "lint", "typecheck")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     failed, passed = (read_valid(tmp_path / "artifacts" / name / "summary.json") for name in ("lint", "typecheck"))
     assert (failed["status"], failed["exit_code"]) == ("finished", 1)
@@ -80,10 +84,6 @@ def test_a_session_without_a_session_process_still_writes_its_summary_and_closin
 
 def test_install_only_records_nothing(tmp_path):
     """`nox --install-only` runs no command, so it leaves no summary saying a check passed."""
-    noxfile = tmp_path / "noxfile.py"
-    noxfile.write_text(RECORDED)
-    env = {**os.environ, "SPECGATE_ARTIFACTS": str(tmp_path / "artifacts")}
-    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(noxfile), "--install-only", "-s", "lint"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = _nox_recorded(tmp_path, "--install-only", "-s", "lint")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "artifacts" / "lint").exists() and "== lint" not in proc.stdout
