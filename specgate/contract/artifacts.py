@@ -21,12 +21,11 @@ def artifacts_dir(session: str) -> Path:
     return path
 
 
-def clear_earlier_outputs(session: str, keep: str = "summary.json") -> list[Path]:
+def clear_earlier_outputs(session: str, keep: str = "summary.json") -> None:
     """Remove what earlier runs left in the session's folder, `keep` (this run's summary,
     already begun) aside: a JUnit file, log or chart an earlier run wrote and this one does not
     (upstream's stand-in run, a mutant not chosen this time, floors not asked for) must not be
     uploaded as this run's."""
-    removed = []
     for entry in artifacts_dir(session).iterdir():
         if entry.name == keep:
             continue
@@ -34,8 +33,6 @@ def clear_earlier_outputs(session: str, keep: str = "summary.json") -> list[Path
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
-        removed.append(entry)
-    return removed
 
 
 def write_atomic(path: Path, text: str, *, scrub: bool = True) -> None:

@@ -37,7 +37,7 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
     The summary's `running` record is written before anything else, so an install
     failure or a session process that dies without finishing its record still leaves
     a summary of this run (crashed or killed), never an older one."""
-    if session.run("python", "-c", "pass", silent=True) is None:  # nox --install-only: nothing runs, nothing to record
+    if _install_only(session):   # nothing runs, nothing to record
         _install_build(session, load(), _spec(session)[0])
         return
     run_id = _new_run_id()
@@ -65,11 +65,21 @@ def run_module(session: nox.Session, module: str, *args: str) -> None:
         session.log(f"error: {exc}")
         code, error = exc.exit_code, str(exc)
     except CommandFailed as exc:
-        code = exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
+        code = _failed_code(exc)
     finally:
         _close_orphan(session.name, run_id, code, error or f"{phase} ended with exit {code} before the "
                       "session finished its summary")
     conclude(session, code)
+
+
+def _install_only(session: nox.Session) -> bool:
+    """Whether nox runs only installs (--install-only): then session.run runs nothing."""
+    return session.run(sys.executable, "-c", "pass", silent=True, external=True) is None
+
+
+def _failed_code(exc: CommandFailed) -> int:
+    """A failed command's exit code (a failure where nox does not know it)."""
+    return exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
 
 
 def _new_run_id() -> str:
@@ -131,7 +141,7 @@ def recorded(session: nox.Session, work: Callable[[], None]) -> None:
     the same contract: a `running` summary first, the final one with its exit code, one closing
     line. A command that fails is the session's failure; anything else is recorded as a crash
     (or a kill) and raised on."""
-    if session.run(sys.executable, "-c", "pass", silent=True, external=True) is None:   # nox --install-only
+    if _install_only(session):
         work()   # its installs happen, its commands do not: nothing to record
         return
     _new_run_id()
@@ -142,7 +152,7 @@ def recorded(session: nox.Session, work: Callable[[], None]) -> None:
         work()
         code, status, error = exitcodes.OK, "finished", ""
     except CommandFailed as exc:
-        code = exc.return_code if isinstance(exc.return_code, int) else exitcodes.FAILURE
+        code = _failed_code(exc)
         status, error = "finished", exc.reason or f"a command exited {code}"
     except KeyboardInterrupt:
         status, error = "killed", "interrupted"
