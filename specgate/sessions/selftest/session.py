@@ -23,8 +23,10 @@ def tier_args(session: str, pytest_args: list[str]) -> list[str]:
     args = iter(pytest_args)
     for arg in args:
         if arg == "-m":
-            wanted = next(args, "")
-        elif arg.startswith("-m") and not arg.startswith("-m-"):
+            wanted = next(args, None)
+            if wanted is None:      # a -m with no expression: left for pytest to reject
+                rest.append(arg)
+        elif arg.startswith("-m"):
             wanted = arg[2:].removeprefix("=")
         else:
             rest.append(arg)
